@@ -1,0 +1,5 @@
+import sys
+
+from seqpar.cli import main
+
+sys.exit(main())

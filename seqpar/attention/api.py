@@ -1,0 +1,140 @@
+"""``seqpar.attention``: the public entry point for sequence-parallel softmax attention."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import CommStats, GroupInfo, group_info
+from ..kernels import check_qkv, select_backend, available_backends
+from .registry import MethodSpec, method_spec
+from .ring import RingAttention, RingConfig
+
+_GRAD_COMM = {None: None, "fp32": torch.float32, "float32": torch.float32, "input": "input"}
+
+
+def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, grad_comm_dtype, info):
+    spec = method_spec(method, argument="method", softmax_only=True)
+    check_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal: expected True or False, got {causal!r}")
+    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0
+                                      or not math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale: expected a positive finite number or None, got {softmax_scale!r}")
+    if cu_seqlens is not None:
+        raise NotImplementedError(
+            "cu_seqlens: packed variable-length input is not supported yet by this version of seqpar; "
+            "pass dense shards whose global length is a multiple of the method's layout (seqpar.layout)"
+        )
+    if grad_comm_dtype not in _GRAD_COMM:
+        raise ValueError(f"grad_comm_dtype: expected None, 'fp32' or 'input', got {grad_comm_dtype!r}")
+    t_local = q.shape[1]
+    if t_local < 1:
+        raise ValueError("q: the local sequence is empty (T_local = 0)")
+    if spec.layout == "zigzag" and t_local % 2:
+        raise ValueError(
+            f"q: method={method!r} uses the zigzag layout (two equal chunks per rank), but T_local={t_local} "
+            f"is odd; shard a global sequence whose length is a multiple of 2N={2 * info.size} with seqpar.shard"
+        )
+    if backend is not None:
+        if backend not in available_backends(include_unavailable=True):
+            raise ValueError(f"backend={backend!r} is unknown; choose one of {', '.join(available_backends(True))}")
+    # Resolve the kernel for the masks the plan uses, here on every rank, before any communication:
+    # an unsupported case fails the same way everywhere instead of hanging the ring.
+    masks = {"none"} | ({"causal", "causal_strict"} if causal else set())
+    for mask in sorted(masks):
+        select_backend(q, k, v, mask=mask, backend=backend)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            select_backend(q, k, v, mask=mask, backend=backend, for_backward=True)
+    return spec
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, method: str = "zigzag_ring",
+              causal: bool = False, softmax_scale: float | None = None, cu_seqlens=None,
+              backend: str | None = None, stats: CommStats | None = None,
+              grad_comm_dtype: str | None = None) -> torch.Tensor:
+    """Exact softmax attention over a sequence split across the ranks of ``group``.
+
+    Shapes (N = ranks in ``group``, ``T_local = T_global / N``):
+        q: ``[B, T_local, Hq, D]``; k, v: ``[B, T_local, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA; K,V
+        are never expanded to Hq heads, on the wire or in the kernels). Each rank passes its own
+        shard in the layout of ``method``: produce it with ``seqpar.shard(x, method=method)``.
+    Returns:
+        ``[B, T_local, Hq, D]`` in q's dtype: this rank's rows of the global attention output, in the
+        same layout (``seqpar.unshard`` restores global order). Differentiable; gradients come back
+        in the input dtypes.
+
+    Args:
+        group: ProcessGroup or 1-D DeviceMesh (None = the default group; a single device when
+            torch.distributed is not initialised).
+        method: one of ``seqpar.METHODS``.
+        causal: causal mask in *global* token order (query i sees keys j <= i).
+        softmax_scale: defaults to ``D ** -0.5``.
+        cu_seqlens: packed variable-length input (not supported yet: raises NotImplementedError).
+        backend: force a block kernel (``seqpar.kernels.available_backends()``); default: the best
+            that fits, chosen per block.
+        stats: a ``seqpar.comm.CommStats`` that receives the bytes this rank sends (fwd and bwd).
+        grad_comm_dtype: dtype of the dK,dV accumulators on the wire in backward: None/"fp32"
+            (exact, default) or "input" (half the bytes for bf16/fp16, rounds partial sums).
+
+    Raises ``ValueError`` naming the argument, on every rank and before any communication, for bad
+    shapes, dtypes, method, backend or lengths.
+    """
+    info = group_info(group)
+    spec = _validate(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                     backend=backend, grad_comm_dtype=grad_comm_dtype, info=info)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    wire = _GRAD_COMM[grad_comm_dtype]
+    if wire == "input":
+        wire = k.dtype
+    call = CallSpec(info=info, spec=spec, causal=causal, scale=scale, backend=backend, grad_comm_dtype=wire,
+                    stats=stats)
+    return FAMILIES[spec.family](q.contiguous(), k.contiguous(), v.contiguous(), call)
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """One validated call, as handed to a family's runner."""
+
+    info: GroupInfo
+    spec: MethodSpec
+    causal: bool
+    scale: float
+    backend: str | None
+    grad_comm_dtype: torch.dtype | None
+    stats: CommStats | None
+
+
+def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
+    plan = call.spec.plan(call.info.rank, call.info.size, q.shape[1], call.causal, call.spec.transport)
+    cfg = RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
+                     grad_comm_dtype=call.grad_comm_dtype, stats=call.stats)
+    return RingAttention.apply(q, k, v, cfg)
+
+
+# family name -> runner(q, k, v, CallSpec) -> out. A new family adds its module and one entry here.
+FAMILIES = {"ring": _run_ring}
+
+
+class SequenceParallelAttention(torch.nn.Module):
+    """Module form of :func:`attention`: holds the group and options, takes ``(q, k, v)``.
+
+    ``forward(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], cu_seqlens=None) -> [B, T_local, Hq, D]``.
+    """
+
+    def __init__(self, *, group=None, method: str = "zigzag_ring", causal: bool = False,
+                 softmax_scale: float | None = None, backend: str | None = None):
+        super().__init__()
+        method_spec(method, argument="method", softmax_only=True)
+        self.group, self.method, self.causal = group, method, causal
+        self.softmax_scale, self.backend = softmax_scale, backend
+
+    def forward(self, q, k, v, cu_seqlens=None, stats: CommStats | None = None):
+        return attention(q, k, v, group=self.group, method=self.method, causal=self.causal,
+                         softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens, backend=self.backend,
+                         stats=stats)
+
+    def extra_repr(self) -> str:
+        return f"method={self.method!r}, causal={self.causal}"

@@ -1,0 +1,37 @@
+"""Single-device reference attention on global tensors (for tests, benchmarks and users' checks).
+
+Plain torch, any dtype (float64 for ground truth). GQA is handled by grouping query heads, so the
+reference shares no code with the kernels it checks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                        softmax_scale: float | None = None, cu_seqlens=None) -> torch.Tensor:
+    """Global attention. q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` -> ``[B, T, Hq, D]``.
+
+    ``cu_seqlens`` (int, ``[n_docs + 1]``) restricts attention to within each packed document.
+    Computes in the input dtype; pass float64 tensors for a ground truth.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    g = Hq // Hkv
+    scale = softmax_scale if softmax_scale is not None else D ** -0.5
+    qg = q.reshape(B, T, Hkv, g, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, T, D]
+    kt = k.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, T, D]
+    vt = v.permute(0, 2, 1, 3).unsqueeze(2)
+    s = torch.matmul(qg, kt.transpose(-1, -2)) * scale  # [B, Hkv, g, T, T]
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = torch.tril(allowed)
+    if cu_seqlens is not None:
+        bounds = torch.as_tensor(cu_seqlens, device=q.device).long()
+        doc = torch.bucketize(torch.arange(T, device=q.device), bounds[1:], right=True)
+        allowed = allowed & (doc[:, None] == doc[None, :])
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key (none here) would be NaN
+    o = torch.matmul(p, vt)  # [B, Hkv, g, T, D]
+    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)

@@ -1,0 +1,218 @@
+"""``seqpar bench``: time every method forward and backward against the ideal (single-rank time / N).
+
+Each row runs one method at one global length on N ranks: forward and backward times are the
+median over repeats (after warm-up) of the slowest rank; efficiency is ``t_1 / (N · t_N)`` where
+``t_1`` is the same computation on one rank with the same threads per rank; bytes are what each
+rank sent (``seqpar.comm.CommStats``); the error is against that single-rank run.
+
+By default N local CPU ranks are spawned (gloo, one thread each, through the persistent pool of
+``seqpar.testing``); under ``torchrun`` the launched ranks are used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.attention.registry import method_spec
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    method: str
+    seq_len: int
+    world_size: int
+    causal: bool = True
+    batch: int = 1
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    repeats: int = 3
+    warmup: int = 1
+    threads: int = 1
+
+
+@dataclass
+class BenchRow:
+    case: BenchCase
+    fwd_ms: float = float("nan")
+    bwd_ms: float = float("nan")
+    fwd_ms_1: float = float("nan")
+    bwd_ms_1: float = float("nan")
+    efficiency: float = float("nan")
+    bytes_fwd: int = 0
+    bytes_bwd: int = 0
+    busiest_link: int = 0
+    max_error: float = float("nan")
+    error: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = asdict(self.case)
+        d.update({k: v for k, v in asdict(self).items() if k != "case"})
+        return d
+
+
+def _inputs(case: BenchCase, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, case.dtype)
+    B, T, H, Hk, D = case.batch, case.seq_len, case.heads, case.kv_heads, case.head_dim
+    shapes = [(B, T, H, D), (B, T, Hk, D), (B, T, Hk, D), (B, T, H, D)]
+    return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+
+def _time_once(method, causal, q, k, v, dout, group, stats=None):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    if group is not None:
+        dist.barrier(group)
+    t0 = time.perf_counter()
+    out = seqpar.attention(q, k, v, method=method, causal=causal, group=group, stats=stats)
+    t1 = time.perf_counter()
+    out.backward(dout)
+    t2 = time.perf_counter()
+    return out.detach(), (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+
+def _max_over_ranks(x: float, group) -> float:
+    if group is None:
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def run_case_on_rank(case: BenchCase) -> dict:
+    """Run one case on this rank (all ranks of the default group call it). Returns the row as a dict."""
+    torch.set_num_threads(case.threads)
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    group = dist.group.WORLD if dist.is_initialized() else None
+    row = BenchRow(case)
+    try:
+        if n != case.world_size:
+            raise ValueError(f"world_size: the case asks for {case.world_size} ranks but {n} are running")
+        method_spec(case.method, softmax_only=True)
+        q, k, v, dout = _inputs(case)
+        local = [seqpar.shard(t, method=case.method, group=group) for t in (q, k, v, dout)]
+        stats = seqpar.CommStats()
+        fwd, bwd = [], []
+        out = None
+        for i in range(case.warmup + case.repeats):
+            s = stats if i == 0 else None
+            out, tf, tb = _time_once(case.method, case.causal, *local, group, stats=s)
+            if i >= case.warmup:
+                fwd.append(_max_over_ranks(tf, group))
+                bwd.append(_max_over_ranks(tb, group))
+        row.fwd_ms, row.bwd_ms = statistics.median(fwd), statistics.median(bwd)
+        row.bytes_fwd, row.bytes_bwd = stats.total("fwd"), stats.total("bwd")
+        row.busiest_link = stats.busiest_link("fwd")
+        full = seqpar.unshard(out, method=case.method, group=group)
+        # single-rank baseline with the same threads: the same method on a group of one rank
+        solo = None
+        if dist.is_initialized():
+            solo = [dist.new_group([r]) for r in range(n)][dist.get_rank()]  # every rank creates every group
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            f1, b1 = [], []
+            out1 = None
+            for i in range(case.warmup + case.repeats):
+                out1, tf, tb = _time_once(case.method, case.causal, q, k, v, dout, solo)
+                if i >= case.warmup:
+                    f1.append(tf)
+                    b1.append(tb)
+            row.fwd_ms_1, row.bwd_ms_1 = statistics.median(f1), statistics.median(b1)
+            row.max_error = float((full.double() - out1.double()).abs().max() / out1.double().abs().max())
+            row.efficiency = (row.fwd_ms_1 + row.bwd_ms_1) / (n * (row.fwd_ms + row.bwd_ms))
+    except Exception as exc:  # a failing row is reported, the others go on
+        row.error = f"{type(exc).__name__}: {exc}"
+    return row.as_dict()
+
+
+def _single_thread_group_baseline_note() -> str:
+    return "efficiency = single-rank time (same threads per rank) / (N x time on N ranks)"
+
+
+def environment() -> dict:
+    return {
+        "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        "seqpar": seqpar.__version__, "platform": platform.platform(),
+        "command": " ".join(["seqpar"] + sys.argv[1:]),
+    }
+
+
+def run_cases(cases: list[BenchCase], *, progress: bool = True) -> list[dict]:
+    """Run cases on local ranks (spawned) or, under torchrun, on the launched ranks."""
+    rows = []
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    iterator = cases
+    bar = None
+    if progress and (not launched or os.environ.get("RANK") == "0"):
+        try:
+            from rich.progress import track
+
+            iterator = track(cases, description="benchmarking", transient=True)
+        except ImportError:  # rich is an optional extra
+            bar = None
+    for case in iterator:
+        if launched:
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            rows.append(run_case_on_rank(case))
+        else:
+            from seqpar.testing import run_distributed
+
+            try:
+                res = run_distributed(run_case_on_rank, case.world_size, case, timeout=3600)
+                rows.append(res[0])
+            except Exception as exc:
+                r = BenchRow(case, error=f"{type(exc).__name__}: {exc}").as_dict()
+                rows.append(r)
+    del bar
+    return rows
+
+
+def print_table(rows: list[dict], title: str = "seqpar bench") -> None:
+    cols = [("method", "method"), ("N", "world_size"), ("T", "seq_len"), ("causal", "causal"),
+            ("fwd ms", "fwd_ms"), ("bwd ms", "bwd_ms"), ("1-rank ms", None), ("efficiency", "efficiency"),
+            ("MB sent/rank", None), ("max err", "max_error"), ("error", "error")]
+
+    def cell(r, key, label):
+        if label == "1-rank ms":
+            return f"{r['fwd_ms_1'] + r['bwd_ms_1']:.1f}"
+        if label == "MB sent/rank":
+            return f"{(r['bytes_fwd'] + r['bytes_bwd']) / 1e6:.2f}"
+        val = r[key]
+        if isinstance(val, float):
+            return f"{val:.3f}" if key == "efficiency" else (f"{val:.1e}" if key == "max_error" else f"{val:.1f}")
+        return str(val)
+
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title)
+        for label, _ in cols:
+            table.add_column(label)
+        for r in rows:
+            table.add_row(*[cell(r, k, label) for label, k in cols])
+        Console().print(table)
+    except ImportError:
+        print(title)
+        print(" | ".join(label for label, _ in cols))
+        for r in rows:
+            print(" | ".join(cell(r, k, label) for label, k in cols))
+    print(_single_thread_group_baseline_note())
+
+
+def write_json(rows: list[dict], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"environment": environment(), "rows": rows}, f, indent=1)

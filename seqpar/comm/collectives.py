@@ -1,0 +1,82 @@
+"""Collectives with byte accounting: all-gather, reduce-scatter, all-to-all, all-reduce.
+
+Names say what they cost. Bytes counted are what *this rank sends* under the usual ring/pairwise
+algorithms: an all-gather or reduce-scatter of a local chunk of ``n`` bytes sends ``(N-1)·n``; an
+all-to-all sends everything except the part that stays local.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .groups import GroupInfo
+from .stats import CommStats, nbytes
+
+
+def _all_gather_flat(out, flat, group):
+    # all_gather_single is the newer name; all_gather_into_tensor is deprecated from torch 2.13 on
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, flat, group=group)
+
+
+def all_gather_stack(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | None = None,
+                     name: str = "all_gather") -> torch.Tensor:
+    """Gather ``x`` from every member: returns ``[N, *x.shape]`` (member order of the group)."""
+    x = x.contiguous()
+    if info.single:
+        return x.unsqueeze(0)
+    flat = x.reshape(-1)
+    out = torch.empty((info.size * flat.numel(),), dtype=x.dtype, device=x.device)
+    _all_gather_flat(out, flat, info.group)
+    out = out.view(info.size, *x.shape)
+    if stats is not None:
+        stats.add(name, (info.size - 1) * nbytes(x))
+    return out
+
+
+def reduce_scatter_stack(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | None = None,
+                         name: str = "reduce_scatter") -> torch.Tensor:
+    """Sum ``x`` (``[N, *chunk]``) over members and return this member's chunk ``x[rank]`` summed."""
+    if info.single:
+        return x[0]
+    x = x.contiguous()
+    out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x.reshape(-1), group=info.group)
+    out = out.view(x.shape[1:])
+    if stats is not None:
+        stats.add(name, (info.size - 1) * nbytes(out))
+    return out
+
+
+def all_to_all(info: GroupInfo, x: torch.Tensor, *, input_splits: list[int] | None = None,
+               output_splits: list[int] | None = None, stats: CommStats | None = None,
+               name: str = "all_to_all") -> torch.Tensor:
+    """All-to-all along dim 0 with optional uneven splits (``all_to_all_single``)."""
+    x = x.contiguous()
+    if info.single:
+        return x
+    if output_splits is None:
+        out = torch.empty_like(x)
+    else:
+        out = torch.empty((sum(output_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, output_splits, input_splits, group=info.group)
+    if stats is not None:
+        row = nbytes(x[:1]) if x.shape[0] else 0
+        if input_splits is None:
+            sent = x.shape[0] - x.shape[0] // info.size
+        else:
+            sent = sum(input_splits) - input_splits[info.rank]
+        stats.add(name, sent * row)
+    return out
+
+
+def all_reduce_(info: GroupInfo, x: torch.Tensor, *, op=None, stats: CommStats | None = None,
+                name: str = "all_reduce") -> torch.Tensor:
+    """In-place all-reduce (sum by default)."""
+    if info.single:
+        return x
+    dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=info.group)
+    if stats is not None:
+        stats.add(name, 2 * (info.size - 1) * nbytes(x) // info.size)
+    return x

@@ -1,0 +1,43 @@
+"""Block attention with log-sum-exp: the local kernel of every ring-family method.
+
+Layout ``[B, T, H, D]``; ``q [B, Tq, Hq, D]``, ``k``/``v [B, Tk, Hkv, D]``
+with ``Hq % Hkv == 0`` (GQA, never expanded on the wire); ``lse [B, Hq, Tq]``
+fp32 (fp64 for fp64). Masks ``MASKS`` are aligned top-left when Tq != Tk.
+
+- :func:`block_forward` -> ``(out, lse)`` of one block.
+- :func:`block_backward` -> ``(dq, dk, dv)`` of one block given the FINAL
+  merged ``out``/``lse`` (or ``delta``) of its rows; block gradients add up.
+- :func:`merge_` folds a partial ``(out, lse)`` into an fp32 accumulator made
+  by :func:`new_accumulator`.
+- :func:`select_backend` / :func:`available_backends`: dispatch over
+  ``flash_attn`` > ``torch_cuda`` > ``torch_cpu`` > ``reference``
+  (``reference`` first for float64).
+"""
+
+from .base import MASKS, Backend, BlockPlan, Capabilities, check_qkv, plan_block
+from .dispatch import (
+    BACKEND_NAMES,
+    BACKENDS,
+    available_backends,
+    block_backward,
+    block_forward,
+    select_backend,
+)
+from .merge import merge_, new_accumulator
+
+__all__ = [
+    "MASKS",
+    "BACKENDS",
+    "BACKEND_NAMES",
+    "Backend",
+    "BlockPlan",
+    "Capabilities",
+    "available_backends",
+    "block_backward",
+    "block_forward",
+    "check_qkv",
+    "merge_",
+    "new_accumulator",
+    "plan_block",
+    "select_backend",
+]

@@ -1,0 +1,235 @@
+"""Shared pieces of the block-attention kernel layer: masks, validation, the
+backend protocol and the reduction of a masked block to what a kernel sees.
+
+Shapes (flash-attn layout, per rank; ``T`` is the length of this block only):
+
+- ``q``: ``[B, Tq, Hq, D]``; ``k``, ``v``: ``[B, Tk, Hkv, D]`` with
+  ``Hq % Hkv == 0``. Query head ``h`` uses key/value head ``h // (Hq // Hkv)``.
+- ``out``: ``[B, Tq, Hq, D]`` in q's dtype; ``lse``: ``[B, Hq, Tq]`` float32
+  (float64 for float64 inputs), natural log of the sum of ``exp(scale * q.k)``
+  over the keys the row sees.
+
+Masks, aligned TOP-LEFT when ``Tq != Tk`` (query ``i`` and key ``j`` are
+positions inside this block, both counted from 0):
+
+- ``"none"``: every key is visible.
+- ``"causal"``: key ``j`` is visible to query ``i`` iff ``j <= i``; so a query
+  ``i >= Tk`` sees every key.
+- ``"causal_strict"``: ``j < i`` (the second diagonal of striped layouts);
+  query 0 sees nothing.
+
+A row that sees no key has ``out = 0`` and ``lse = -inf``.
+
+Every mask is first reduced (:func:`plan_block`) to a sub-block in which a
+kernel only ever needs ``"none"`` or top-left ``"causal"`` with ``Tk <= Tq``
+and in which every row sees at least one key. This is what keeps torch's CPU
+flash op (which returns ``lse = 0``, not ``-inf``, for a fully masked row, and
+crashes on empty inputs) away from rows it gets wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+MASKS = ("none", "causal", "causal_strict")
+
+HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def check_mask(mask: str) -> None:
+    """Raise ``ValueError`` unless ``mask`` is one of :data:`MASKS`."""
+    if mask not in MASKS:
+        raise ValueError(f"mask={mask!r} is not supported: use one of {MASKS}")
+
+
+def check_scale(scale: float) -> None:
+    """Raise ``ValueError`` unless ``scale`` is a finite real number."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r} must be a finite float (usually D ** -0.5)")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Validate the shapes, dtypes and devices of one attention block.
+
+    ``q``: ``[B, Tq, Hq, D]``; ``k``, ``v``: ``[B, Tk, Hkv, D]``; ``Hq % Hkv == 0``;
+    one dtype and one device for all three. Raises ``ValueError`` naming the
+    offending argument.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D [B, T, H, D] (flash-attn layout), got shape {tuple(t.shape)}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same [B, Tk, Hkv, D]: "
+            "v must match k in batch, sequence length, heads and head dim"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]}: q, k, v need the same B")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q head dim {q.shape[3]} != k head dim {k.shape[3]}: q, k, v need the same D")
+    hq, hkv = q.shape[2], k.shape[2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"q has {hq} heads and k has {hkv}: Hq must be a positive multiple of Hkv (GQA)"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} != q dtype {q.dtype}: cast q, k, v to one dtype")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}: move q, k, v to one device")
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of lse (and of fp accumulators) for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """The part of a masked ``[Tq, Tk]`` block that any key reaches.
+
+    Rows ``q_start:`` meet keys ``:k_stop``; if ``causal``, sub-row ``i`` sees
+    sub-key ``j`` iff ``j <= i`` (top-left), and ``k_stop <= Tq - q_start`` so
+    every sub-row sees key 0. Rows before ``q_start`` see nothing; keys from
+    ``k_stop`` on are seen by no row. ``empty``: no row sees any key.
+    """
+
+    q_start: int
+    k_stop: int
+    causal: bool
+    tq: int
+    tk: int
+
+    @property
+    def empty(self) -> bool:
+        return self.q_start >= self.tq or self.k_stop <= 0
+
+    @property
+    def square(self) -> bool:
+        """True when the sub-block is square (top-left == bottom-right causal)."""
+        return self.tq - self.q_start == self.k_stop
+
+
+def plan_block(tq: int, tk: int, mask: str) -> BlockPlan:
+    """Reduce ``mask`` on a ``[tq, tk]`` block (top-left aligned) to a :class:`BlockPlan`.
+
+    - ``none``: all rows, all keys.
+    - ``causal``: keys ``j >= tq`` are never visible, so keep ``:min(tk, tq)``.
+    - ``causal_strict``: query ``i`` sees ``j <= i - 1``: drop row 0 and run
+      plain causal on rows ``1:`` against keys ``:min(tk, tq - 1)``.
+    """
+    check_mask(mask)
+    if mask == "none":
+        return BlockPlan(0, tk, False, tq, tk)
+    if mask == "causal":
+        return BlockPlan(0, min(tk, tq), True, tq, tk)
+    return BlockPlan(1, max(0, min(tk, tq - 1)), True, tq, tk)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend can serve; checked by :meth:`Backend.refusal`.
+
+    ``devices``: device types (``"cpu"``, ``"cuda"``), empty = any.
+    ``head_dim_multiple`` / ``max_head_dim``: constraint on D (``None`` = none).
+    ``gqa``: serves ``Hq != Hkv``. ``needs_out``: backward needs the merged
+    ``out`` (cannot work from ``delta`` alone). ``priority``: higher wins.
+    ``preferred_dtypes``: dtypes for which this backend outranks all others
+    regardless of ``priority`` (the reference claims float64: float64 is the
+    verification dtype and plain matmuls are the ground truth there).
+    ``square_causal_only``: causal only when the reduced block is square
+    (kernels with bottom-right alignment, e.g. flash-attn >= 2.1).
+    """
+
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    masks: frozenset[str] = frozenset(MASKS)
+    head_dim_multiple: int = 1
+    max_head_dim: int | None = None
+    gqa: bool = True
+    needs_out: bool = False
+    priority: int = 0
+    preferred_dtypes: frozenset[torch.dtype] = frozenset()
+    square_causal_only: bool = False
+
+
+class Backend:
+    """A block-attention implementation plus what it can serve.
+
+    Subclasses set ``name`` and ``caps`` and implement :meth:`forward` and
+    :meth:`backward` on a *reduced* block (see :func:`plan_block`): inputs are
+    non-empty, ``causal`` means top-left causal with ``Tk <= Tq``, every row
+    sees at least one key, and the lse given to ``backward`` holds no ``-inf``
+    (rows that saw nothing anywhere carry ``+inf`` there, which zeroes their
+    probabilities). The public entry points in :mod:`seqpar.kernels.dispatch`
+    do the reduction and the padding back.
+    """
+
+    name: str = "?"
+    caps: Capabilities
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why this backend cannot run at all on ``device`` here (missing
+        package, no CUDA, old GPU), or ``None``."""
+        return None
+
+    def extra_refusal(self, q, k, v, plan: BlockPlan, for_backward: bool) -> str | None:
+        """Backend-specific refusal beyond :class:`Capabilities`; ``None`` = fits."""
+        return None
+
+    def refusal(self, q, k, v, mask: str, for_backward: bool, has_out: bool) -> str | None:
+        """Why this backend cannot serve this case, or ``None`` if it can."""
+        c = self.caps
+        if c.devices and q.device.type not in c.devices:
+            return f"runs on {sorted(c.devices)}, not on {q.device.type}"
+        why = self.unavailable(q.device)
+        if why:
+            return why
+        if q.dtype not in c.dtypes:
+            names = sorted(str(d).replace("torch.", "") for d in c.dtypes)
+            return f"dtype {str(q.dtype).replace('torch.', '')} not in {names}"
+        if mask not in c.masks:
+            return f"mask {mask!r} not in {sorted(c.masks)}"
+        d = q.shape[-1]
+        if d % c.head_dim_multiple:
+            return f"head dim {d} is not a multiple of {c.head_dim_multiple}"
+        if c.max_head_dim is not None and d > c.max_head_dim:
+            return f"head dim {d} > {c.max_head_dim}"
+        if not c.gqa and q.shape[2] != k.shape[2]:
+            return f"no GQA (Hq={q.shape[2]}, Hkv={k.shape[2]})"
+        if for_backward and c.needs_out and not has_out:
+            return "backward needs `out` (was given only `delta`)"
+        plan = plan_block(q.shape[1], k.shape[1], mask)
+        if c.square_causal_only and plan.causal and not plan.empty and not plan.square:
+            return (
+                f"causal only on square blocks (bottom-right aligned kernel); mask {mask!r} with "
+                f"Tq={q.shape[1]}, Tk={k.shape[1]} reduces to {plan.tq - plan.q_start}x{plan.k_stop}"
+            )
+        return self.extra_refusal(q, k, v, plan, for_backward)
+
+    def rank(self, dtype: torch.dtype) -> tuple[bool, int]:
+        """Sort key for dispatch: preferred dtype first, then priority."""
+        return (dtype in self.caps.preferred_dtypes, self.caps.priority)
+
+    def forward(self, q, k, v, *, scale: float, causal: bool):
+        """Reduced block forward -> ``(out [B,Tq,Hq,D] q.dtype, lse [B,Hq,Tq] fp32/fp64)``."""
+        raise NotImplementedError
+
+    def backward(self, dout, q, k, v, out, lse, *, scale: float, causal: bool, delta):
+        """Reduced block backward -> ``(dq, dk, dv)`` in q's dtype, dk/dv with Hkv heads.
+
+        ``out`` may be ``None`` when ``delta`` (``[B, Hq, Tq]`` fp32/fp64) is
+        given; backends with ``caps.needs_out`` always get ``out``.
+        """
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} priority={self.caps.priority}>"

@@ -1,0 +1,208 @@
+"""Public block-attention entry points and backend dispatch.
+
+``block_forward`` / ``block_backward`` validate, pick a backend, reduce the
+mask to the visible sub-block (:func:`seqpar.kernels.base.plan_block`), run
+the backend there and pad the result back to the full block:
+
+- rows that see no key get ``out = 0``, ``lse = -inf`` and ``dq = 0``;
+- keys that no row sees get ``dk = dv = 0``.
+
+Dispatch picks the highest-ranked backend that fits (flash_attn > torch_cuda
+> torch_cpu > reference for half/fp32; reference first for float64). A forced
+``backend=`` that cannot serve raises ``ValueError`` with its reason; when
+nothing fits, one ``ValueError`` lists every backend with its reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Backend, check_mask, check_qkv, check_scale, lse_dtype, plan_block
+from .flash import FlashAttnBackend
+from .reference import ReferenceBackend
+from .torch_ops import TorchCPUBackend, TorchCUDABackend
+
+#: Every backend, highest priority first. Immutable: dispatch has no switches.
+BACKENDS: tuple[Backend, ...] = tuple(
+    sorted(
+        (FlashAttnBackend(), TorchCUDABackend(), TorchCPUBackend(), ReferenceBackend()),
+        key=lambda b: -b.caps.priority,
+    )
+)
+BACKEND_NAMES: tuple[str, ...] = tuple(b.name for b in BACKENDS)
+
+
+def available_backends(include_unavailable: bool = False) -> list[str]:
+    """Names of the backends that can run here, highest priority first.
+
+    "Can run" means on the CPU or on the current CUDA device (if any), with
+    their packages importable; dtype, mask and shape limits aside (ask
+    :func:`select_backend` for a concrete block). ``include_unavailable=True``
+    lists every registered backend, i.e. every valid ``backend=`` name.
+    """
+    if include_unavailable:
+        return list(BACKEND_NAMES)
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+    return [
+        b.name
+        for b in BACKENDS
+        if any(
+            (not b.caps.devices or dev.type in b.caps.devices) and b.unavailable(dev) is None
+            for dev in devices
+        )
+    ]
+
+
+def _by_name(name: str) -> Backend:
+    for b in BACKENDS:
+        if b.name == name:
+            return b
+    raise ValueError(f"backend={name!r} is unknown: use None (automatic) or one of {list(BACKEND_NAMES)}")
+
+
+def select_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: str,
+    backend: str | None = None,
+    for_backward: bool = False,
+    has_out: bool = True,
+) -> Backend:
+    """The backend that serves this block (``q [B,Tq,Hq,D]``, ``k``/``v [B,Tk,Hkv,D]``).
+
+    ``has_out=False`` (backward given only ``delta``) skips backends whose
+    backward needs ``out``. ``backend="name"`` forces one. Raises
+    ``ValueError`` for an unknown name, a forced backend that refuses (with
+    its reason) or when none fits (listing every backend and why).
+    """
+    check_mask(mask)
+    if backend is not None:
+        chosen = _by_name(backend)
+        why = chosen.refusal(q, k, v, mask, for_backward, has_out)
+        if why:
+            raise ValueError(f"backend={backend!r} cannot serve this block: {why}")
+        return chosen
+    reasons = []
+    for b in sorted(BACKENDS, key=lambda b: b.rank(q.dtype), reverse=True):
+        why = b.refusal(q, k, v, mask, for_backward, has_out)
+        if why is None:
+            return b
+        reasons.append(f"  {b.name}: {why}")
+    raise ValueError(
+        f"no attention backend fits q {tuple(q.shape)} {q.dtype} on {q.device}, "
+        f"k {tuple(k.shape)}, mask={mask!r}, {'backward' if for_backward else 'forward'}:\n"
+        + "\n".join(reasons)
+    )
+
+
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    mask: str = "none",
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block with its log-sum-exp.
+
+    ``q [B, Tq, Hq, D]``, ``k``/``v [B, Tk, Hkv, D]`` (``Hq % Hkv == 0``, K/V
+    never expanded on the wire). ``mask`` is one of ``MASKS``, aligned
+    top-left when ``Tq != Tk``. Returns ``out [B, Tq, Hq, D]`` in q's dtype
+    and ``lse [B, Hq, Tq]`` fp32 (fp64 for fp64 inputs); a row that sees no
+    key has ``out = 0``, ``lse = -inf``.
+    """
+    check_qkv(q, k, v)
+    check_scale(scale)
+    chosen = select_backend(q, k, v, mask=mask, backend=backend)
+    b, tq, hq, d = q.shape
+    plan = plan_block(tq, k.shape[1], mask)
+    if plan.empty or b == 0 or hq == 0 or d == 0:
+        out = q.new_zeros(q.shape)
+        lse = torch.full((b, hq, tq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+        return out, lse
+    out, lse = chosen.forward(
+        q[:, plan.q_start :],
+        k[:, : plan.k_stop],
+        v[:, : plan.k_stop],
+        scale=float(scale),
+        causal=plan.causal,
+    )
+    lse = lse.to(lse_dtype(q.dtype))
+    if plan.q_start:
+        out = torch.cat((out.new_zeros(b, plan.q_start, hq, d), out), dim=1)
+        lse = torch.cat((lse.new_full((b, hq, plan.q_start), float("-inf")), lse), dim=2)
+    return out, lse
+
+
+def _check_rows(name: str, x: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    if x is not None and tuple(x.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {shape}")
+
+
+def block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor | None,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    mask: str = "none",
+    backend: str | None = None,
+    delta: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the FINAL (merged) ``out`` and ``lse`` of its rows.
+
+    ``dout``/``out``: ``[B, Tq, Hq, D]`` (``out`` may be the fp32
+    accumulator); ``lse``: ``[B, Hq, Tq]``; ``delta`` = rowsum(dout * out) in
+    fp32, ``[B, Hq, Tq]``, may replace ``out`` (``out=None``) for backends that
+    accept it. Returns ``(dq, dk, dv)`` in the input dtype, dk/dv with Hkv
+    heads; summing them over all blocks of a row set gives the exact
+    gradient. Rows with ``lse = -inf`` contribute nothing and give ``dq = 0``.
+    """
+    check_qkv(q, k, v)
+    check_scale(scale)
+    b, tq, hq, d = q.shape
+    _check_rows("dout", dout, tuple(q.shape))
+    _check_rows("out", out, tuple(q.shape))
+    _check_rows("lse", lse, (b, hq, tq))
+    _check_rows("delta", delta, (b, hq, tq))
+    if out is None and delta is None:
+        raise ValueError("block_backward needs `out` (the merged output) or `delta` = rowsum(dout*out)")
+    chosen = select_backend(
+        q, k, v, mask=mask, backend=backend, for_backward=True, has_out=out is not None
+    )
+    tk = k.shape[1]
+    plan = plan_block(tq, tk, mask)
+    if plan.empty or b == 0 or hq == 0 or d == 0:
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    rows = slice(plan.q_start, None)
+    acc = lse_dtype(q.dtype)
+    lse_r = lse[..., rows].to(acc)
+    # A row that saw no key anywhere has lse -inf; +inf makes its P exactly 0
+    # (exp(s - inf)) where -inf would give exp(-inf + inf) = NaN.
+    lse_r = torch.where(torch.isneginf(lse_r), float("inf"), lse_r)
+    dq, dk, dv = chosen.backward(
+        dout[:, rows],
+        q[:, rows],
+        k[:, : plan.k_stop],
+        v[:, : plan.k_stop],
+        None if out is None else out[:, rows],
+        lse_r,
+        scale=float(scale),
+        causal=plan.causal,
+        delta=None if delta is None else delta[..., rows].to(acc),
+    )
+    if plan.q_start:
+        dq = torch.cat((dq.new_zeros(b, plan.q_start, hq, d), dq), dim=1)
+    if plan.k_stop < tk:
+        pad = (b, tk - plan.k_stop, k.shape[2], d)
+        dk = torch.cat((dk, dk.new_zeros(pad)), dim=1)
+        dv = torch.cat((dv, dv.new_zeros(pad)), dim=1)
+    return dq, dk, dv

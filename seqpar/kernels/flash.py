@@ -1,0 +1,102 @@
+"""flash-attn 2 backend (optional extra ``seqpar[flash]``), imported lazily.
+
+Forward uses the public ``flash_attn_func(..., return_attn_probs=True)``,
+which gives ``(out, lse, _)`` with lse ``[B, Hq, Tq]`` fp32. The backward must
+be fed the *merged* out/lse of the row, which the public autograd path cannot
+do, so it calls ``flash_attn.flash_attn_interface._flash_attn_backward``; we
+rely on its flash-attn >= 2.7 form (separate ``window_size_left/right``,
+``softcap``, caller-allocated ``dq/dk/dv``) and refuse older versions rather
+than probing signatures.
+
+GQA is native (dK/dV come back with Hkv heads). Causal is bottom-right aligned
+in flash-attn >= 2.1, so it serves causal only when the reduced block of
+:func:`seqpar.kernels.base.plan_block` is square, where both alignments agree:
+that covers ``causal`` with ``Tq <= Tk`` and ``causal_strict`` with
+``Tq <= Tk + 1`` (rows ``1:`` against keys ``:Tq-1``, the shifted diagonal).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import HALF_DTYPES, Backend, Capabilities
+
+MIN_VERSION = (2, 7)
+
+
+def _load():
+    """-> (module flash_attn_interface, None) or (None, reason).
+
+    Not memoised (no module state): after the first success Python's import
+    cache makes this a dict lookup, and it only runs for CUDA tensors.
+    """
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_interface
+    except Exception as exc:  # ImportError, or a broken CUDA build
+        return None, f"flash_attn not importable ({type(exc).__name__}: {exc})"
+    version = getattr(flash_attn, "__version__", "0")
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if parts < MIN_VERSION:
+        return None, f"flash_attn {version} < {'.'.join(map(str, MIN_VERSION))}"
+    return flash_attn_interface, None
+
+
+class FlashAttnBackend(Backend):
+    """flash-attn 2 kernels on CUDA, fp16/bf16, D % 8 == 0, D <= 256."""
+
+    name = "flash_attn"
+    caps = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=HALF_DTYPES,
+        head_dim_multiple=8,  # the private backward does not pad D for us
+        max_head_dim=256,
+        needs_out=True,  # the kernel derives delta from `out`
+        priority=40,
+        square_causal_only=True,
+    )
+
+    def unavailable(self, device):
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        mod, why = _load()
+        if mod is None:
+            return why
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return f"needs compute capability >= 8.0, got {torch.cuda.get_device_capability(device)}"
+        return None
+
+    def forward(self, q, k, v, *, scale, causal):
+        fa, _ = _load()
+        with torch.no_grad():
+            out, lse, _ = fa.flash_attn_func(
+                q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True
+            )
+        return out, lse[..., : q.shape[1]]
+
+    def backward(self, dout, q, k, v, out, lse, *, scale, causal, delta):
+        fa, _ = _load()
+        dt = q.dtype
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        fa._flash_attn_backward(
+            dout.to(dt).contiguous(),
+            q,
+            k,
+            v,
+            out.to(dt).contiguous(),
+            lse.float().contiguous(),
+            dq,
+            dk,
+            dv,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=None,
+        )
+        return dq, dk, dv

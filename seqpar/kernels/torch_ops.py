@@ -1,0 +1,207 @@
+"""Backends on torch's fused attention ops that return the log-sum-exp.
+
+Both take and return the seqpar layout ``[B, T, H, D]``; the aten ops want
+``[B, H, T, D]``, which is a free transpose (the ops accept the strided view).
+They run on the reduced block of :func:`seqpar.kernels.base.plan_block`
+(every row sees a key; causal is top-left with ``Tk <= Tq``).
+
+- ``torch_cpu``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+  ``_backward``. Checked with torch 2.13: float32, bfloat16, float16 and
+  float64 all work; lse is float32 (float64 for float64); GQA is native (dK
+  comes back with Hkv heads); causal with Tq != Tk is top-left; any head dim.
+  Half-precision backward (and fp16 forward) run in fp32, see below.
+  It returns lse 0 for a fully masked row and dies with SIGFPE on Tq == 0 or
+  Tk == 0, which is why the dispatch layer never hands it such blocks.
+- ``torch_cuda``: ``aten._scaled_dot_product_flash_attention`` (fp16/bf16,
+  sm80+, D % 8 == 0, D <= 256; causal is bottom-right in the vendored
+  flash-attn kernel, so causal only on a square reduced block) else
+  ``aten._scaled_dot_product_efficient_attention`` (fp32 too; its causal is
+  top-left). Non-causal GQA folds the ``g`` query heads of a group into the
+  query length (``q -> [B, Hkv, g*Tq, D]``): no K/V expansion. Causal GQA
+  cannot be folded (the mask depends on the row inside the group), so this
+  backend alone repeats K/V heads *locally, inside the kernel call* and sums
+  dK/dV over the group in fp32; nothing expanded ever leaves this function.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import FLOAT_DTYPES, HALF_DTYPES, Backend, Capabilities, lse_dtype
+
+aten = torch.ops.aten
+
+
+def _bhtd(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H, D]`` <-> ``[B, H, T, D]`` (a view)."""
+    return x.transpose(1, 2)
+
+
+# Measured on the 2-core CI machine (torch 2.13, B=1, T=2048, Hq=Hkv=8, D=64,
+# non-causal, ms; noisy): forward fp32 ~140, bf16 ~65, fp16 ~230; backward
+# fp32 ~375, bf16 ~1220, fp16 ~3960. The half backward is also less exact:
+# with GQA it sums dK/dV over the query group in bf16 (MQA 8:1 dV error 2.3x
+# that of a plain bf16 computation). So half backward (and fp16 forward) run
+# the fp32 kernel on upcast copies and round once: faster and more exact.
+_CPU_COMPUTE_FWD = {torch.float16: torch.float32}
+_CPU_COMPUTE_BWD = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+class TorchCPUBackend(Backend):
+    """torch's CPU flash-attention op (with lse) and its backward."""
+
+    name = "torch_cpu"
+    caps = Capabilities(
+        devices=frozenset({"cpu"}),
+        dtypes=FLOAT_DTYPES,
+        needs_out=True,  # the op derives delta from `out` itself
+        priority=20,
+    )
+
+    def forward(self, q, k, v, *, scale, causal):
+        ct = _CPU_COMPUTE_FWD.get(q.dtype, q.dtype)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            _bhtd(q.to(ct)), _bhtd(k.to(ct)), _bhtd(v.to(ct)), 0.0, causal, scale=scale
+        )
+        return _bhtd(out).to(q.dtype).contiguous(), lse
+
+    def backward(self, dout, q, k, v, out, lse, *, scale, causal, delta):
+        ct = _CPU_COMPUTE_BWD.get(q.dtype, q.dtype)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _bhtd(dout.to(ct)),
+            _bhtd(q.to(ct)),
+            _bhtd(k.to(ct)),
+            _bhtd(v.to(ct)),
+            _bhtd(out.to(ct)),  # the merged fp32 accumulator stays exact here
+            lse.to(lse_dtype(ct)).contiguous(),
+            0.0,
+            causal,
+            scale=scale,
+        )
+        return tuple(_bhtd(g).to(q.dtype).contiguous() for g in (dq, dk, dv))
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+class TorchCUDABackend(Backend):
+    """torch's CUDA flash / memory-efficient attention ops (with lse)."""
+
+    name = "torch_cuda"
+    caps = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        head_dim_multiple=8,  # both kernels want 16-byte aligned rows
+        max_head_dim=256,
+        needs_out=True,  # both backward ops derive delta from `out`
+        priority=30,
+    )
+
+    def unavailable(self, device):
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        if _capability(device) < (5, 0):
+            return f"GPU compute capability {_capability(device)} < (5, 0)"
+        return None
+
+    def extra_refusal(self, q, k, v, plan, for_backward):
+        if q.dtype == torch.bfloat16 and _capability(q.device) < (8, 0):
+            return "bfloat16 needs compute capability >= 8.0"
+        return None
+
+    @staticmethod
+    def _use_flash(q: torch.Tensor, causal: bool, square: bool) -> bool:
+        return (
+            q.dtype in HALF_DTYPES
+            and torch.backends.cuda.is_flash_attention_available()
+            and _capability(q.device) >= (8, 0)
+            and (square or not causal)
+        )
+
+    @staticmethod
+    def _mode(q, k, causal) -> str:
+        """How GQA meets the kernel: ``mha`` (Hq == Hkv), ``fold`` or ``expand``."""
+        if q.shape[2] == k.shape[2]:
+            return "mha"
+        return "expand" if causal else "fold"
+
+    @staticmethod
+    def _rows_in(x: torch.Tensor, hkv: int, mode: str) -> torch.Tensor:
+        """A q-like ``[B, Tq, Hq, D]`` tensor in kernel layout ``[B, H', R, D]``."""
+        if mode != "fold":
+            return _bhtd(x)
+        b, t, hq, d = x.shape
+        g = hq // hkv
+        return x.reshape(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+
+    @staticmethod
+    def _kv_in(x: torch.Tensor, g: int, mode: str) -> torch.Tensor:
+        """``[B, Tk, Hkv, D]`` in kernel layout; repeated to Hq heads only for causal GQA."""
+        x = _bhtd(x)
+        return x.repeat_interleave(g, dim=1) if mode == "expand" else x
+
+    @staticmethod
+    def _rows_out(x: torch.Tensor, like_q: torch.Tensor, mode: str) -> torch.Tensor:
+        """Kernel layout ``[B, H', R, D]`` back to ``[B, Tq, Hq, D]``."""
+        b, tq, hq, d = like_q.shape
+        if mode == "fold":
+            hkv = x.shape[1]
+            return x.reshape(b, hkv, hq // hkv, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
+        return _bhtd(x).contiguous()
+
+    def forward(self, q, k, v, *, scale, causal):
+        b, tq, hq, _ = q.shape
+        hkv = k.shape[2]
+        mode = self._mode(q, k, causal)
+        qh = self._rows_in(q, hkv, mode)
+        kh, vh = self._kv_in(k, hq // hkv, mode), self._kv_in(v, hq // hkv, mode)
+        if self._use_flash(q, causal, square=tq == k.shape[1]):
+            out, lse = aten._scaled_dot_product_flash_attention(
+                qh, kh, vh, 0.0, causal, False, scale=scale
+            )[:2]
+        else:
+            out, lse = aten._scaled_dot_product_efficient_attention(
+                qh, kh, vh, None, True, 0.0, causal, scale=scale
+            )[:2]
+        rows = qh.shape[2]
+        lse = lse[..., :rows].reshape(b, hq, tq)  # efficient pads rows to a multiple of 32
+        return self._rows_out(out, q, mode), lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, *, scale, causal, delta):
+        b, tq, hq, d = q.shape
+        tk, hkv = k.shape[1], k.shape[2]
+        g, dt = hq // hkv, q.dtype
+        mode = self._mode(q, k, causal)
+        qh = self._rows_in(q, hkv, mode)
+        doh = self._rows_in(dout.to(dt), hkv, mode)
+        oh = self._rows_in(out.to(dt), hkv, mode)
+        kh, vh = self._kv_in(k, g, mode), self._kv_in(v, g, mode)
+        heads, rows = qh.shape[1], qh.shape[2]
+        lse_h = lse.float().reshape(b, heads, rows)
+        if self._use_flash(q, causal, square=tq == tk):
+            dev = q.device
+            dqh, dkh, dvh = aten._scaled_dot_product_flash_attention_backward(
+                doh, qh, kh, vh, oh, lse_h.contiguous(),
+                None, None, rows, tk, 0.0, causal,
+                torch.zeros(2, dtype=torch.uint64, device=dev),  # philox state: unused
+                torch.zeros((), dtype=torch.uint64, device=dev),  # without dropout
+                scale=scale,
+            )
+        else:
+            padded = (rows + 31) // 32 * 32  # the lse layout the forward op returns
+            lse_p = lse_h.new_full((b, heads, padded), float("inf"))
+            lse_p[..., :rows] = lse_h
+            zero = torch.zeros((), dtype=torch.int64)  # philox seed/offset: unused without dropout
+            dqh, dkh, dvh, _ = aten._scaled_dot_product_efficient_attention_backward(
+                doh, qh, kh, vh, None, oh, lse_p, zero, zero, 0.0,
+                [True, True, True, False], causal, scale=scale,
+            )
+        if mode == "expand":  # sum the group's dK/dV in fp32, round once
+            dkh = dkh.float().view(b, hkv, g, tk, d).sum(2)
+            dvh = dvh.float().view(b, hkv, g, tk, d).sum(2)
+        return (
+            self._rows_out(dqh, q, mode),
+            _bhtd(dkh).to(dt).contiguous(),
+            _bhtd(dvh).to(dt).contiguous(),
+        )

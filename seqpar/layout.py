@@ -1,0 +1,111 @@
+"""Token layouts: which global tokens each rank holds, for every method.
+
+``shard`` turns a global tensor into this rank's part in the layout a method needs; ``unshard``
+gathers the parts from every rank and restores global order (every rank gets the full tensor).
+Call them on everything indexed by token: inputs, labels, position ids.
+
+Layouts (N ranks, global length T):
+
+- ``contiguous`` (``ring``, ``lightseq``, ``ulysses``, linear methods): rank r holds
+  ``[r·T/N, (r+1)·T/N)``. Needs ``T % N == 0``.
+- ``zigzag`` (``zigzag_ring``, ``allgather_kv``, ``token_ring``): the sequence is cut into 2N equal
+  chunks and rank r holds chunks r and 2N-1-r, in that order. Needs ``T % 2N == 0``.
+- ``striped`` (``striped_ring``): token i lives on rank ``i mod N``. Needs ``T % N == 0``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import CommStats, all_gather_stack, group_info
+
+LAYOUT_MULTIPLE = {"contiguous": 1, "zigzag": 2, "striped": 1}
+
+
+def layout_of(method: str) -> str:
+    """Name of the token layout used by ``method`` (ValueError for an unknown method)."""
+    from .attention.registry import method_spec  # local import: the registry imports this module
+
+    return method_spec(method, argument="method").layout
+
+
+def check_global_length(T: int, n: int, layout: str, *, method: str, argument: str = "x") -> None:
+    """Raise a ValueError that says which multiple is needed when T does not fit the layout."""
+    multiple = LAYOUT_MULTIPLE[layout] * n
+    if T % multiple:
+        raise ValueError(
+            f"{argument}: a sequence of {T} tokens cannot be split for method={method!r} over {n} ranks: "
+            f"the {layout} layout needs a length that is a multiple of {multiple}"
+            f"{' (2N)' if layout == 'zigzag' else ' (N)'}. Pad the sequence to "
+            f"{-(-T // multiple) * multiple} tokens, or pass it as a packed batch with cu_seqlens, which "
+            f"accepts any length once packed variable-length support has landed."
+        )
+
+
+def _packed_not_yet(cu_seqlens) -> None:
+    if cu_seqlens is not None:
+        raise NotImplementedError(
+            "cu_seqlens: packed variable-length input is not supported yet by this version of seqpar; "
+            "pass a dense sequence whose length is a multiple of the method's layout (see seqpar.layout)"
+        )
+
+
+def token_indices(T: int, n: int, rank: int, layout: str, device=None) -> torch.Tensor:
+    """Global token indices held by ``rank`` (in local order)."""
+    if layout == "contiguous":
+        c = T // n
+        return torch.arange(rank * c, (rank + 1) * c, device=device)
+    if layout == "zigzag":
+        h = T // (2 * n)
+        first = torch.arange(rank * h, (rank + 1) * h, device=device)
+        second = torch.arange((2 * n - 1 - rank) * h, (2 * n - rank) * h, device=device)
+        return torch.cat([first, second])
+    if layout == "striped":
+        return torch.arange(rank, T, n, device=device)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+    """This rank's part of a global tensor, in the layout ``method`` needs.
+
+    Args:
+        x: the global tensor, identical on every rank, e.g. ``[B, T_global, H, D]`` with ``dim=1``.
+        group: ProcessGroup or 1-D DeviceMesh of the sequence-parallel ranks (None = world).
+        method: a softmax method of ``seqpar.METHODS`` or a linear method (contiguous shards).
+        dim: the token dimension of ``x``.
+    Returns:
+        ``x`` restricted to this rank's tokens along ``dim``: ``T_local = T_global / N`` tokens.
+        Purely local: no communication.
+    """
+    _packed_not_yet(cu_seqlens)
+    info = group_info(group)
+    layout = layout_of(method)
+    dim = dim % x.dim()
+    check_global_length(x.shape[dim], info.size, layout, method=method)
+    idx = token_indices(x.shape[dim], info.size, info.rank, layout, device=x.device)
+    if layout == "contiguous":
+        return x.narrow(dim, int(idx[0]), idx.numel()).contiguous()
+    return x.index_select(dim, idx)
+
+
+def unshard(x_local: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int = 1, cu_seqlens=None,
+            stats: CommStats | None = None) -> torch.Tensor:
+    """Gather every rank's part and restore global token order; every rank gets the full tensor.
+
+    Inverse of :func:`shard`: ``unshard(shard(x)) == x`` exactly. ``x_local`` must have the same
+    shape on every rank. This is a collective over ``group``.
+    """
+    _packed_not_yet(cu_seqlens)
+    info = group_info(group)
+    layout = layout_of(method)
+    dim = dim % x_local.dim()
+    if layout == "zigzag" and x_local.shape[dim] % 2:
+        raise ValueError(f"x_local: the zigzag layout holds two equal chunks, got an odd length {x_local.shape[dim]}")
+    moved = x_local.movedim(dim, 0)
+    gathered = all_gather_stack(info, moved, stats=stats, name="unshard_all_gather")  # [N, T_local, ...]
+    T = gathered.shape[0] * gathered.shape[1]
+    flat = gathered.reshape(T, *moved.shape[1:])
+    order = torch.cat([token_indices(T, info.size, r, layout, device=x_local.device) for r in range(info.size)])
+    out = torch.empty_like(flat)
+    out[order] = flat
+    return out.movedim(0, dim).contiguous()

@@ -1,0 +1,36 @@
+"""Shared pytest configuration: marker handling and worker-pool shutdown."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:  # a plain `pytest` (not `python -m pytest`) from an uninstalled checkout
+    import seqpar  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from seqpar.testing import shutdown_pools  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_slow = pytest.mark.skip(reason="slow test; set SEQPAR_SLOW=1 to run it")
+    has_cuda = torch.cuda.is_available()
+    run_slow = os.environ.get("SEQPAR_SLOW") == "1"
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shutdown_worker_pools():
+    """Stop the persistent multi-process worker pools when the session ends."""
+    yield
+    shutdown_pools()
