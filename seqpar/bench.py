@@ -204,7 +204,7 @@ def print_table(rows: list[dict], title: str = "seqpar bench") -> None:
             table.add_column(label)
         for r in rows:
             table.add_row(*[cell(r, k, label) for label, k in cols])
-        Console().print(table)
+        Console(width=max(160, Console().width)).print(table)
     except ImportError:
         print(title)
         print(" | ".join(label for label, _ in cols))

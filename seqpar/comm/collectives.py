@@ -42,7 +42,8 @@ def reduce_scatter_stack(info: GroupInfo, x: torch.Tensor, *, stats: CommStats |
         return x[0]
     x = x.contiguous()
     out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.reshape(-1), group=info.group)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # newer name first
+    fn(out, x.reshape(-1), group=info.group)
     out = out.view(x.shape[1:])
     if stats is not None:
         stats.add(name, (info.size - 1) * nbytes(out))

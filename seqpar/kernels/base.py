@@ -66,11 +66,12 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} must be 4-D [B, T, H, D] (flash-attn layout), got shape {tuple(t.shape)}"
             )
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same [B, Tk, Hkv, D]: "
-            "v must match k in batch, sequence length, heads and head dim"
-        )
+    for dim, what in enumerate(("batch", "sequence length", "heads", "head dim")):
+        if k.shape[dim] != v.shape[dim]:
+            raise ValueError(
+                f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in {what} (dim {dim}): "
+                "v must have the same [B, Tk, Hkv, D] as k"
+            )
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]}: q, k, v need the same B")
     if q.shape[3] != k.shape[3]:

@@ -161,14 +161,17 @@ def block_backward(
 
     ``dout``/``out``: ``[B, Tq, Hq, D]`` (``out`` may be the fp32
     accumulator); ``lse``: ``[B, Hq, Tq]``; ``delta`` = rowsum(dout * out) in
-    fp32, ``[B, Hq, Tq]``, may replace ``out`` (``out=None``) for backends that
-    accept it. Returns ``(dq, dk, dv)`` in the input dtype, dk/dv with Hkv
+    fp32, ``[B, Hq, Tq]``, may replace ``out`` (``out=None``; dispatch then
+    skips backends that need ``out``); given both, backends that can use
+    ``delta`` use it. Returns ``(dq, dk, dv)`` in the input dtype, dk/dv with Hkv
     heads; summing them over all blocks of a row set gives the exact
     gradient. Rows with ``lse = -inf`` contribute nothing and give ``dq = 0``.
     """
     check_qkv(q, k, v)
     check_scale(scale)
     b, tq, hq, d = q.shape
+    if not isinstance(dout, torch.Tensor) or not isinstance(lse, torch.Tensor):
+        raise ValueError("dout and lse must be tensors ([B, Tq, Hq, D] and [B, Hq, Tq])")
     _check_rows("dout", dout, tuple(q.shape))
     _check_rows("out", out, tuple(q.shape))
     _check_rows("lse", lse, (b, hq, tq))

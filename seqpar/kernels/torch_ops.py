@@ -198,8 +198,8 @@ class TorchCUDABackend(Backend):
                 [True, True, True, False], causal, scale=scale,
             )
         if mode == "expand":  # sum the group's dK/dV in fp32, round once
-            dkh = dkh.float().view(b, hkv, g, tk, d).sum(2)
-            dvh = dvh.float().view(b, hkv, g, tk, d).sum(2)
+            dkh = dkh.float().reshape(b, hkv, g, tk, d).sum(2)
+            dvh = dvh.float().reshape(b, hkv, g, tk, d).sum(2)
         return (
             self._rows_out(dqh, q, mode),
             _bhtd(dkh).to(dt).contiguous(),
