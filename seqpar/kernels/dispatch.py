@@ -21,11 +21,12 @@ from .base import Backend, check_mask, check_qkv, check_scale, lse_dtype, plan_b
 from .flash import FlashAttnBackend
 from .reference import ReferenceBackend
 from .torch_ops import TorchCPUBackend, TorchCUDABackend
+from .triton_backend import TritonBackend
 
 #: Every backend, highest priority first. Immutable: dispatch has no switches.
 BACKENDS: tuple[Backend, ...] = tuple(
     sorted(
-        (FlashAttnBackend(), TorchCUDABackend(), TorchCPUBackend(), ReferenceBackend()),
+        (FlashAttnBackend(), TritonBackend(), TorchCUDABackend(), TorchCPUBackend(), ReferenceBackend()),
         key=lambda b: -b.caps.priority,
     )
 )

@@ -1,0 +1,498 @@
+"""Triton kernels of the FlashAttention-class block attention (forward with lse,
+delta preprocessing, dq and dk/dv backward). Host wrappers, validation and the
+``torch.library`` ops live in :mod:`seqpar.kernels.triton_attention`.
+
+Memory layout seen by every kernel: ``[B_mem, T_mem, H, D]`` with unit stride
+on D; row statistics (lse, delta) ``[B_mem, H, T_mem]`` with unit stride on T.
+Dense batches use ``B_mem = B`` and document ``b`` is batch row ``b``; packed
+documents use ``B_mem = 1`` and document ``b`` is rows
+``cu_seqlens[b]:cu_seqlens[b+1]`` (so the grid's last axis is the document).
+
+Visibility of key ``j`` to query ``i`` (positions inside one document):
+``j <= i + off`` if ``IS_CAUSAL`` and ``j >= i + off - window`` if
+``HAS_WINDOW``, with ``off = causal_offset (+ len_k - len_q if BOTTOM_RIGHT)``.
+Scores are kept in base 2 (``qk_scale = scale * log2(e)``) so the softmax
+uses ``exp2``; lse is returned in natural log.
+
+Every program splits its counterpart range into a masked head, an unmasked
+middle and a masked tail (:func:`_span`), so only blocks that cross a mask
+boundary or the end of the sequence pay for the element-wise mask.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _span(s0, BS: tl.constexpr, L, BO: tl.constexpr, lo_delta, hi_delta,
+          HAS_LO: tl.constexpr, HAS_HI: tl.constexpr):
+    """Counterpart blocks for own rows ``[s0, s0 + BS)``.
+
+    Counterpart ``c`` is visible to own ``s`` iff ``0 <= c < L``,
+    ``c >= s + lo_delta`` (if HAS_LO) and ``c <= s + hi_delta`` (if HAS_HI).
+    Returns block-aligned ``(a, u0, u1, e)``: blocks in ``[a, u0)`` and
+    ``[u1, e)`` need the element mask, blocks in ``[u0, u1)`` are fully visible
+    to every own row.
+    """
+    zero = s0 * 0
+    part_lo = zero
+    full_lo = zero
+    part_hi = zero + L
+    full_hi = zero + L
+    if HAS_LO:
+        part_lo = tl.maximum(s0 + lo_delta, 0)
+        full_lo = tl.maximum(s0 + (BS - 1) + lo_delta, 0)
+    if HAS_HI:
+        part_hi = tl.minimum(tl.maximum(s0 + BS + hi_delta, 0), L)
+        full_hi = tl.minimum(tl.maximum(s0 + 1 + hi_delta, 0), L)
+    a = (part_lo // BO) * BO
+    e = tl.where(part_hi > part_lo, ((part_hi + BO - 1) // BO) * BO, a)
+    u0 = tl.minimum(tl.maximum(((full_lo + BO - 1) // BO) * BO, a), e)
+    u1 = tl.minimum(tl.maximum((full_hi // BO) * BO, u0), e)
+    return a, u0, u1, e
+
+
+@triton.jit
+def _load(ptrs, row_ok, d_ok, ROWS: tl.constexpr, PAD_D: tl.constexpr):
+    """Load a tile, masking rows (if ROWS) and padded head-dim columns (if PAD_D)."""
+    if ROWS:
+        if PAD_D:
+            x = tl.load(ptrs, mask=row_ok & d_ok, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok, other=0.0)
+    else:
+        if PAD_D:
+            x = tl.load(ptrs, mask=d_ok, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    # UPCAST: the CPU interpreter (triton 3.9) returns garbage for tl.dot on
+    # bf16 operands, so there both operands go through fp32.
+    if UPCAST:
+        y = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    elif PREC == "ieee":  # fp32 inputs: exact fp32 products rather than tf32
+        y = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        y = tl.dot(a, b, acc)
+    return y
+
+
+@triton.jit
+def _lowp(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """Round an fp32 operand to the input dtype for a tensor-core dot. Under
+    UPCAST (the interpreter with bf16, whose fp32->bf16 cast truncates) keep
+    fp32: the dot runs in fp32 there anyway."""
+    if UPCAST:
+        y = x
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
+def _to_out(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """Cast an fp32 tile for a store, rounding to nearest even. GPUs do that in
+    ``.to``; the interpreter truncates fp32 -> bf16, so round by hand there."""
+    if UPCAST and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
+def _visible(rows, cols, len_c, off, window, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             COLS_ARE_KEYS: tl.constexpr):
+    """Element mask of a tile (rows x cols); ``len_c`` bounds the counterpart index."""
+    if COLS_ARE_KEYS:
+        i = rows[:, None]
+        j = cols[None, :]
+        ok = j < len_c
+    else:  # rows are keys, cols are queries (transposed tiles of the dk/dv kernel)
+        i = cols[None, :]
+        j = rows[:, None]
+        ok = i < len_c
+    if IS_CAUSAL:
+        ok = ok & (j <= i + off)
+    if HAS_WINDOW:
+        ok = ok & (j >= i + (off - window))
+    return ok
+
+
+@triton.jit
+def _doc(Cu, b, seqlen, IS_VARLEN: tl.constexpr):
+    """(first memory row, length, memory batch index) of document ``b``."""
+    if IS_VARLEN:
+        start = tl.load(Cu + b)
+        length = tl.load(Cu + b + 1) - start
+        b_mem = b * 0
+    else:
+        start = b * 0
+        length = b * 0 + seqlen
+        b_mem = b
+    return start, length, b_mem
+
+
+@triton.jit
+def _fwd_span(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi,
+              offs_m, offs_n, offs_d, d_ok, len_k, off, window, qk_scale,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
+              PREC: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        n64 = tl.cast(start_n, tl.int64)
+        kt = _load(k_base + n64 * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None],
+                   cols[None, :] < len_k, d_ok[:, None], MASKED, PAD_D)
+        s = _dot(q, kt, None, UPCAST, PREC) * qk_scale
+        if MASKED:
+            ok = _visible(offs_m, cols, len_k, off, window, IS_CAUSAL, HAS_WINDOW, True)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with nothing visible so far keeps m = -inf; shift by 0 to avoid -inf - -inf.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load(v_base + n64 * stride_vt + offs_n[:, None] * stride_vt + offs_d[None, :],
+                  cols[:, None] < len_k, d_ok[None, :], MASKED, PAD_D)
+        acc = _dot(_lowp(p, v.dtype, UPCAST), v, acc * alpha[:, None], UPCAST, PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, Out, Lse, CuQ, CuK,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, sm_scale, causal_offset, window, seq_bucket,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, ACCUMULATE: tl.constexpr, PAD_D: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one head of one document.
+
+    ACCUMULATE: ``Out``/``Lse`` hold a running fp32 (out, lse); the block's
+    result is merged into them in place instead of overwriting them.
+    """
+    # Heaviest causal query blocks (the last ones) are launched first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q0, len_q, b_mem = _doc(CuQ, b, seqlen_q, IS_VARLEN)
+    k0, len_k, _b = _doc(CuK, b, seqlen_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= len_q:
+        return
+    off = causal_offset
+    if BOTTOM_RIGHT:
+        off = off + len_k - len_q
+    hk = h // GROUP
+    bm = b_mem.to(tl.int64)
+    q_base = Q + bm * stride_qb + q0.to(tl.int64) * stride_qt + h * stride_qh
+    k_base = K + bm * stride_kb + k0.to(tl.int64) * stride_kt + hk * stride_kh
+    v_base = V + bm * stride_vb + k0.to(tl.int64) * stride_vt + hk * stride_vh
+    o_base = Out + bm * stride_ob + q0.to(tl.int64) * stride_ot + h * stride_oh
+    l_base = Lse + bm * stride_lb + h * stride_lh + q0.to(tl.int64)
+
+    ar_m = tl.arange(0, BLOCK_M)
+    offs_m = m0 + ar_m
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row_ok = offs_m < len_q
+    m64 = tl.cast(m0, tl.int64)
+    q = _load(q_base + m64 * stride_qt + ar_m[:, None] * stride_qt + offs_d[None, :],
+              row_ok[:, None], d_ok[None, :], True, PAD_D)
+    qk_scale = sm_scale * LOG2E
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+
+    a, u0, u1, e = _span(m0, BLOCK_M, len_k, BLOCK_N, off - window, off, HAS_WINDOW, IS_CAUSAL)
+    acc, l_i, m_i = _fwd_span(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, a, u0,
+                              offs_m, offs_n, offs_d, d_ok, len_k, off, window, qk_scale,
+                              BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, PAD_D, UPCAST, PREC)
+    acc, l_i, m_i = _fwd_span(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, u0, u1,
+                              offs_m, offs_n, offs_d, d_ok, len_k, off, window, qk_scale,
+                              BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, PAD_D, UPCAST, PREC)
+    acc, l_i, m_i = _fwd_span(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, u1, e,
+                              offs_m, offs_n, offs_d, d_ok, len_k, off, window, qk_scale,
+                              BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, PAD_D, UPCAST, PREC)
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    o_ptrs = o_base + m64 * stride_ot + ar_m[:, None] * stride_ot + offs_d[None, :]
+    if ACCUMULATE:
+        old_l = tl.load(l_base + offs_m, mask=row_ok, other=float("-inf"))
+        old_o = _load(o_ptrs, row_ok[:, None], d_ok[None, :], True, PAD_D).to(tl.float32)
+        mx = tl.maximum(old_l, lse)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w_old = tl.math.exp2((old_l - mx) * LOG2E)
+        w_new = tl.math.exp2((lse - mx) * LOG2E)
+        tot = w_old + w_new
+        tot_safe = tl.where(tot > 0.0, tot, 1.0)
+        out = (old_o * w_old[:, None] + out * w_new[:, None]) / tot_safe[:, None]
+        lse = tl.where(tot > 0.0, mx + tl.math.log2(tot_safe) * LN2, float("-inf"))
+    if PAD_D:
+        tl.store(o_ptrs, _to_out(out, Out.dtype.element_ty, UPCAST),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(o_ptrs, _to_out(out, Out.dtype.element_ty, UPCAST), mask=row_ok[:, None])
+    tl.store(l_base + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def attn_delta_kernel(
+    Out, DOut, Dlse, Delta,
+    stride_ob, stride_ot, stride_oh,
+    stride_db, stride_dt, stride_dh,
+    stride_lb, stride_lh, seqlen,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):
+    """delta = rowsum(dout * out) in fp32 (minus dlse when lse itself has a gradient)."""
+    t0 = tl.cast(tl.program_id(0) * BLOCK_M, tl.int64)
+    ar = tl.arange(0, BLOCK_M)
+    t = t0 + ar
+    h = tl.program_id(1)
+    b = tl.cast(tl.program_id(2), tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (t[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
+    o_base = Out + b * stride_ob + h * stride_oh + t0 * stride_ot
+    d_base = DOut + b * stride_db + h * stride_dh + t0 * stride_dt
+    o = tl.load(o_base + ar[:, None] * stride_ot + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(d_base + ar[:, None] * stride_dt + offs_d[None, :], mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row = b * stride_lb + h * stride_lh + t
+    if HAS_DLSE:
+        # d lse / d s = p, so a gradient on lse enters ds = p * (dp - delta) as -dlse.
+        delta -= tl.load(Dlse + row, mask=t < seqlen, other=0.0)
+    tl.store(Delta + row, delta, mask=t < seqlen)
+
+
+@triton.jit
+def _row_stats(Lse, Delta, base, rows, ok):
+    # Rows that saw no key anywhere carry lse = -inf (or +inf from the dispatch
+    # layer): both must give p = 0, so use +inf in the exponent.
+    lse = tl.load(Lse + base + rows, mask=ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    delta = tl.load(Delta + base + rows, mask=ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _dq_span(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo, hi,
+             offs_m, offs_n, offs_d, d_ok, len_k, off, window, qk_scale,
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+             HAS_WINDOW: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
+             PREC: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        n64 = tl.cast(start_n, tl.int64)
+        kt = _load(k_base + n64 * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None],
+                   cols[None, :] < len_k, d_ok[:, None], MASKED, PAD_D)
+        vt = _load(v_base + n64 * stride_vt + offs_n[None, :] * stride_vt + offs_d[:, None],
+                   cols[None, :] < len_k, d_ok[:, None], MASKED, PAD_D)
+        s = _dot(q, kt, None, UPCAST, PREC) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(offs_m, cols, len_k, off, window, IS_CAUSAL, HAS_WINDOW, True),
+                         p, 0.0)
+        dp = _dot(do, vt, None, UPCAST, PREC)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(_lowp(ds, kt.dtype, UPCAST), tl.trans(kt), dq, UPCAST, PREC)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, Lse, Delta, CuQ, CuK,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_db, stride_dt, stride_dh,
+    stride_gb, stride_gt, stride_gh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, sm_scale, causal_offset, window, seq_bucket,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program: dq of BLOCK_M query rows of one head (loops over key blocks)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q0, len_q, b_mem = _doc(CuQ, b, seqlen_q, IS_VARLEN)
+    k0, len_k, _b = _doc(CuK, b, seqlen_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= len_q:
+        return
+    off = causal_offset
+    if BOTTOM_RIGHT:
+        off = off + len_k - len_q
+    hk = h // GROUP
+    bm = b_mem.to(tl.int64)
+    qrow = q0.to(tl.int64)
+    k_base = K + bm * stride_kb + k0.to(tl.int64) * stride_kt + hk * stride_kh
+    v_base = V + bm * stride_vb + k0.to(tl.int64) * stride_vt + hk * stride_vh
+
+    ar_m = tl.arange(0, BLOCK_M)
+    offs_m = m0 + ar_m
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row_ok = offs_m < len_q
+    qrow = qrow + m0  # from here on the q-side bases point at this block's first row
+    q = _load(Q + bm * stride_qb + qrow * stride_qt + h * stride_qh
+              + ar_m[:, None] * stride_qt + offs_d[None, :], row_ok[:, None], d_ok[None, :],
+              True, PAD_D)
+    do = _load(DO + bm * stride_db + qrow * stride_dt + h * stride_dh
+               + ar_m[:, None] * stride_dt + offs_d[None, :], row_ok[:, None], d_ok[None, :],
+               True, PAD_D)
+    do = _lowp(do, Q.dtype.element_ty, UPCAST)  # dout may be fp32 (merged fp32 output)
+    lse2, delta = _row_stats(Lse, Delta, bm * stride_lb + h * stride_lh + qrow, ar_m, row_ok)
+    qk_scale = sm_scale * LOG2E
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    a, u0, u1, e = _span(m0, BLOCK_M, len_k, BLOCK_N, off - window, off, HAS_WINDOW, IS_CAUSAL)
+    dq = _dq_span(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, a, u0,
+                  offs_m, offs_n, offs_d, d_ok, len_k, off, window, qk_scale,
+                  BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, PAD_D, UPCAST, PREC)
+    dq = _dq_span(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, u0, u1,
+                  offs_m, offs_n, offs_d, d_ok, len_k, off, window, qk_scale,
+                  BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, PAD_D, UPCAST, PREC)
+    dq = _dq_span(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, u1, e,
+                  offs_m, offs_n, offs_d, d_ok, len_k, off, window, qk_scale,
+                  BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, PAD_D, UPCAST, PREC)
+    dq = dq * sm_scale
+    ptrs = DQ + bm * stride_gb + qrow * stride_gt + h * stride_gh
+    ptrs = ptrs + ar_m[:, None] * stride_gt + offs_d[None, :]
+    if PAD_D:
+        tl.store(ptrs, _to_out(dq, DQ.dtype.element_ty, UPCAST), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(ptrs, _to_out(dq, DQ.dtype.element_ty, UPCAST), mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkdv_span(dk, dv, k, v, q_base, do_base, Lse, Delta, l_base, stride_qt, stride_dt, lo, hi,
+               offs_n, offs_m, offs_d, d_ok, len_q, off, window, qk_scale,
+               BLOCK_M: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
+               PREC: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        ok_m = rows < len_q
+        m64 = tl.cast(start_m, tl.int64)
+        qt = _load(q_base + m64 * stride_qt + offs_m[None, :] * stride_qt + offs_d[:, None],
+                   ok_m[None, :], d_ok[:, None], MASKED, PAD_D)
+        do = _load(do_base + m64 * stride_dt + offs_m[:, None] * stride_dt + offs_d[None, :],
+                   ok_m[:, None], d_ok[None, :], MASKED, PAD_D)
+        lse2, delta = _row_stats(Lse, Delta, l_base, rows, ok_m)
+        st = _dot(k, qt, None, UPCAST, PREC) * qk_scale  # [BLOCK_N, BLOCK_M] = s^T
+        pt = tl.math.exp2(st - lse2[None, :])
+        if MASKED:
+            pt = tl.where(_visible(offs_n, rows, len_q, off, window, IS_CAUSAL, HAS_WINDOW, False),
+                          pt, 0.0)
+        dv = _dot(_lowp(pt, k.dtype, UPCAST), _lowp(do, k.dtype, UPCAST), dv, UPCAST, PREC)
+        dpt = _dot(v, tl.trans(_lowp(do, k.dtype, UPCAST)), None, UPCAST, PREC)
+        dst = pt * (dpt - delta[None, :])
+        dk = _dot(_lowp(dst, k.dtype, UPCAST), tl.trans(qt), dk, UPCAST, PREC)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, Lse, Delta, CuQ, CuK,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_db, stride_dt, stride_dh,
+    stride_gkb, stride_gkt, stride_gkh,
+    stride_gvb, stride_gvt, stride_gvh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, sm_scale, causal_offset, window, seq_bucket,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program: dk, dv of BLOCK_N keys of one kv head, summed over its GROUP
+    query heads in registers (GQA without atomics and without expanding K/V)."""
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q0, len_q, b_mem = _doc(CuQ, b, seqlen_q, IS_VARLEN)
+    k0, len_k, _b = _doc(CuK, b, seqlen_k, IS_VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= len_k:
+        return
+    off = causal_offset
+    if BOTTOM_RIGHT:
+        off = off + len_k - len_q
+    bm = b_mem.to(tl.int64)
+    qrow = q0.to(tl.int64)
+    krow = k0.to(tl.int64)
+    ar_n = tl.arange(0, BLOCK_N)
+    offs_n = n0 + ar_n
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    col_ok = offs_n < len_k
+    krow = krow + n0  # the k-side bases point at this block's first key
+    k = _load(K + bm * stride_kb + krow * stride_kt + hk * stride_kh
+              + ar_n[:, None] * stride_kt + offs_d[None, :], col_ok[:, None], d_ok[None, :],
+              True, PAD_D)
+    v = _load(V + bm * stride_vb + krow * stride_vt + hk * stride_vh
+              + ar_n[:, None] * stride_vt + offs_d[None, :], col_ok[:, None], d_ok[None, :],
+              True, PAD_D)
+    qk_scale = sm_scale * LOG2E
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # Query i sees key j iff i >= j - off (causal) and i <= j - off + window.
+    a, u0, u1, e = _span(n0, BLOCK_N, len_q, BLOCK_M, -off, window - off, IS_CAUSAL, HAS_WINDOW)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_base = Q + bm * stride_qb + qrow * stride_qt + h * stride_qh
+        do_base = DO + bm * stride_db + qrow * stride_dt + h * stride_dh
+        l_base = bm * stride_lb + h * stride_lh + qrow
+        dk, dv = _dkdv_span(dk, dv, k, v, q_base, do_base, Lse, Delta, l_base, stride_qt,
+                            stride_dt, a, u0, offs_n, offs_m, offs_d, d_ok, len_q, off, window,
+                            qk_scale, BLOCK_M, True, IS_CAUSAL, HAS_WINDOW, PAD_D, UPCAST, PREC)
+        dk, dv = _dkdv_span(dk, dv, k, v, q_base, do_base, Lse, Delta, l_base, stride_qt,
+                            stride_dt, u0, u1, offs_n, offs_m, offs_d, d_ok, len_q, off, window,
+                            qk_scale, BLOCK_M, False, IS_CAUSAL, HAS_WINDOW, PAD_D, UPCAST, PREC)
+        dk, dv = _dkdv_span(dk, dv, k, v, q_base, do_base, Lse, Delta, l_base, stride_qt,
+                            stride_dt, u1, e, offs_n, offs_m, offs_d, d_ok, len_q, off, window,
+                            qk_scale, BLOCK_M, True, IS_CAUSAL, HAS_WINDOW, PAD_D, UPCAST, PREC)
+    dk = dk * sm_scale
+    ok = col_ok[:, None] & d_ok[None, :]
+    dk_ptrs = DK + bm * stride_gkb + krow * stride_gkt + hk * stride_gkh
+    dv_ptrs = DV + bm * stride_gvb + krow * stride_gvt + hk * stride_gvh
+    dk_ptrs = dk_ptrs + ar_n[:, None] * stride_gkt + offs_d[None, :]
+    dv_ptrs = dv_ptrs + ar_n[:, None] * stride_gvt + offs_d[None, :]
+    tl.store(dk_ptrs, _to_out(dk, DK.dtype.element_ty, UPCAST), mask=ok)
+    tl.store(dv_ptrs, _to_out(dv, DV.dtype.element_ty, UPCAST), mask=ok)

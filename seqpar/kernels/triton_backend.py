@@ -1,0 +1,97 @@
+"""Dispatch backend on seqpar's own Triton kernel
+(:mod:`seqpar.kernels.triton_attention`), imported lazily so that seqpar works
+without triton installed.
+
+Capabilities: CUDA, fp16 / bf16 / fp32, head dims 1..256 (no multiple-of-8
+rule: the kernel pads D itself), GQA native, backward from ``delta`` alone
+(no ``out`` needed), causal in any alignment (dispatch only ever hands it
+top-left causal). Priority 35: above ``torch_cuda`` (30), below
+``flash_attn`` (40).
+
+CPU tensors: refused, except under ``TRITON_INTERPRET=1`` (Triton's slow
+interpreter, for tests), where the backend also accepts CPU but ranks below
+every other backend, so that only a caller that forces ``backend="triton"``
+gets it there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from .base import Backend, Capabilities
+
+_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+def _interpreting() -> bool:
+    # Read at call time: the backend object may be built before a test sets
+    # it (Triton itself only honours it for kernels defined afterwards).
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _caps(devices: frozenset[str]) -> Capabilities:
+    return Capabilities(
+        devices=devices,
+        dtypes=_DTYPES,
+        max_head_dim=256,  # any D up to 256: the kernel pads D itself
+        gqa=True,
+        needs_out=False,  # delta = rowsum(dout * out) is enough
+        priority=35,
+    )
+
+
+_CAPS = _caps(frozenset({"cuda"}))
+_CAPS_INTERPRET = _caps(frozenset({"cuda", "cpu"}))
+
+
+class TritonBackend(Backend):
+    """seqpar's Triton FlashAttention-class kernel (forward with lse, backward)."""
+
+    name = "triton"
+
+    @property
+    def caps(self) -> Capabilities:
+        return _CAPS_INTERPRET if _interpreting() else _CAPS
+
+    def rank(self, dtype: torch.dtype) -> tuple[bool, int]:
+        # Under the interpreter never win automatic dispatch (it is ~1000x
+        # slower than torch's CPU op); a forced backend="triton" skips ranking.
+        if _interpreting():
+            return (False, -1)
+        return super().rank(dtype)
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install 'seqpar[triton]')"
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                return "CUDA is not available"
+            if torch.cuda.get_device_capability(device) < (7, 0):
+                return "Triton needs compute capability >= 7.0"
+        elif not _interpreting():
+            return f"runs on CUDA only (CPU only under TRITON_INTERPRET=1), not {device.type}"
+        return None
+
+    def extra_refusal(self, q, k, v, plan, for_backward: bool) -> str | None:
+        if (q.is_cuda and q.dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(q.device) < (8, 0)):
+            return "bfloat16 needs compute capability >= 8.0"
+        from .triton_attention import refusal
+
+        return refusal(q, k, v, mask="causal" if plan.causal else "none")
+
+    def forward(self, q, k, v, *, scale: float, causal: bool):
+        from .triton_attention import triton_attention_forward
+
+        return triton_attention_forward(q, k, v, scale=scale, mask="causal" if causal else "none")
+
+    def backward(self, dout, q, k, v, out, lse, *, scale: float, causal: bool, delta):
+        # lse may carry +inf for rows that saw no key anywhere: the kernel
+        # treats +inf and -inf alike (probabilities exactly 0).
+        from .triton_attention import triton_attention_backward
+
+        return triton_attention_backward(dout, q, k, v, out, lse, scale=scale,
+                                         mask="causal" if causal else "none", delta=delta)
