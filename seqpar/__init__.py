@@ -1,12 +1,15 @@
 """seqpar: exact sequence-parallel attention for long sequences.
 
 Public API:
-    METHODS, attention, shard, unshard, SequenceParallelAttention, CommStats
+    METHODS, attention, shard, unshard, SequenceParallelAttention, CommStats,
+    LINEAR_METHODS, linear_attention
 """
 
 from .attention import METHODS, SequenceParallelAttention, attention
 from .comm import CommStats
 from .layout import shard, unshard
+from .linear import LINEAR_METHODS, linear_attention
 
 __version__ = "0.1.0"
-__all__ = ["METHODS", "CommStats", "SequenceParallelAttention", "attention", "shard", "unshard", "__version__"]
+__all__ = ["LINEAR_METHODS", "METHODS", "CommStats", "SequenceParallelAttention", "attention", "linear_attention", "shard", "unshard",
+           "__version__"]

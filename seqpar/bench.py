@@ -216,3 +216,63 @@ def print_table(rows: list[dict], title: str = "seqpar bench") -> None:
 def write_json(rows: list[dict], path: str) -> None:
     with open(path, "w") as f:
         json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+
+
+def _linear_rank(method, T, H, K, V, repeats, threads):
+    from seqpar.linear.bench import bench_linear
+
+    torch.set_num_threads(threads)
+    return bench_linear(method, T, H, K, V, repeats)
+
+
+def run_linear_cases(methods, seq_lens, sizes, *, heads=4, key_dim=64, value_dim=64, repeats=3,
+                     threads=1) -> list[dict]:
+    """Linear-attention rows: each method at each length on each N, with efficiency against the
+    single-rank time of the same method (``--linear`` section of ``seqpar bench``)."""
+    from seqpar.testing import run_distributed
+
+    rows = []
+    for T in seq_lens:
+        for method in methods:
+            base = None
+            for n in sorted(set([1] + list(sizes))):
+                row = {"method": method, "world_size": n, "seq_len": T, "heads": heads, "key_dim": key_dim,
+                       "value_dim": value_dim, "error": ""}
+                try:
+                    res = run_distributed(_linear_rank, n, method, T, heads, key_dim, value_dim, repeats, threads,
+                                          timeout=3600)
+                    r0 = res[0]
+                    row.update(fwd_ms=1e3 * r0["fwd_s_max"], bwd_ms=1e3 * r0["bwd_s_max"],
+                               bytes_fwd=max(r["bytes_fwd"] for r in res), bytes_bwd=max(r["bytes_bwd"] for r in res))
+                    total = r0["total_s_max"]
+                    if n == 1:
+                        base = total
+                    row["efficiency"] = base / (n * total) if base else float("nan")
+                except Exception as exc:  # a failing row is reported, the others go on
+                    row["error"] = f"{type(exc).__name__}: {exc}"
+                if n in sizes:
+                    rows.append(row)
+    return rows
+
+
+def print_linear_table(rows: list[dict]) -> None:
+    header = ["method", "N", "T", "fwd ms", "bwd ms", "efficiency", "bytes fwd/rank", "bytes bwd/rank", "error"]
+    lines = [header]
+    for r in rows:
+        lines.append([r["method"], str(r["world_size"]), str(r["seq_len"]), f"{r.get('fwd_ms', float('nan')):.1f}",
+                      f"{r.get('bwd_ms', float('nan')):.1f}", f"{r.get('efficiency', float('nan')):.3f}",
+                      str(r.get("bytes_fwd", "")), str(r.get("bytes_bwd", "")), r["error"]])
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="seqpar bench --linear")
+        for h in header:
+            table.add_column(h)
+        for line in lines[1:]:
+            table.add_row(*line)
+        Console(width=max(160, Console().width)).print(table)
+    except ImportError:
+        for line in lines:
+            print(" | ".join(line))
+    print(_single_thread_group_baseline_note())

@@ -38,9 +38,14 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (and for the 1-rank baseline)")
     p.add_argument("--json", metavar="PATH", help="write the rows with machine and versions as JSON")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--linear", action="store_true", help="benchmark the linear-attention methods (zeco, lasp2, "
+                   "lasp1) instead, with --heads H and --head-dim K=V")
     args = p.parse_args(argv)
 
     import os
+
+    if args.linear:
+        return _bench_linear(args, p)
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
@@ -62,6 +67,26 @@ def bench_main(argv: list[str]) -> int:
         if args.json:
             write_json(rows, args.json)
             print(f"wrote {args.json}")
+    return 1 if any(r["error"] for r in rows) else 0
+
+
+def _bench_linear(args, parser) -> int:
+    from seqpar.bench import print_linear_table, run_linear_cases, write_json
+    from seqpar.linear import LINEAR_METHODS
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if set(methods) == set(__import__("seqpar").METHODS):
+        methods = list(LINEAR_METHODS)
+    bad = [m for m in methods if m not in LINEAR_METHODS]
+    if bad:
+        parser.error(f"--methods: unknown linear method {', '.join(bad)}; choose from {', '.join(LINEAR_METHODS)}")
+    rows = run_linear_cases(methods, _int_list(args.seq_lens), _int_list(args.nproc), heads=args.heads,
+                            key_dim=args.head_dim, value_dim=args.head_dim, repeats=args.repeats,
+                            threads=args.threads)
+    print_linear_table(rows)
+    if args.json:
+        write_json(rows, args.json)
+        print(f"wrote {args.json}")
     return 1 if any(r["error"] for r in rows) else 0
 
 

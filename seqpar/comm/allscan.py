@@ -13,7 +13,8 @@ rank sends in a :class:`~seqpar.comm.stats.CommStats` when one is given):
   along K; because the decay is diagonal, block ``b`` of ``out_p`` needs only block ``b`` of ``in_p``,
   so a block is forwarded as soon as it arrives and the chain costs about one state transfer plus
   ``N - 1`` block latencies. A helper thread does the receive-combine-send work, so the calling
-  thread computes meanwhile (gloo runs the transfers on its own threads).
+  thread computes meanwhile (gloo runs the transfers on its own threads; on CUDA the helper's
+  kernels go to a side stream, untested on a GPU so far).
 - :func:`allgather_start` (``"all_gather"``): every rank's tensor to every rank, posted asynchronously
   (sends ``(N-1)`` copies of the local tensor); :func:`fold_forward` / :func:`fold_reverse` finish the
   scan locally (LASP-2).
@@ -23,6 +24,7 @@ rank sends in a :class:`~seqpar.comm.stats.CommStats` when one is given):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -68,8 +70,12 @@ class ChainScan:
         self._out: list = [None] * len(self.blocks)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._stream = None
 
-    def start(self) -> "ChainScan":
+    def start(self) -> ChainScan:
+        if self.local.is_cuda:  # the helper's small kernels must not queue behind the compute stream
+            self._stream = torch.cuda.Stream(device=self.local.device)
+            self._stream.wait_stream(torch.cuda.current_stream(self.local.device))
         if not self.head:  # post every receive before any compute
             for i, (a, b) in enumerate(self.blocks):
                 buf = self.local.new_empty(*self.local.shape[:2], b - a, self.local.shape[3])
@@ -84,8 +90,9 @@ class ChainScan:
 
     def _run(self) -> None:
         sends = []
+        side = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), side:
                 if self.head and self.first_work is not None:
                     self.first_work.wait()
                 for i, (a, b) in enumerate(self.blocks):
@@ -111,6 +118,11 @@ class ChainScan:
             self._thread.join()
         if self._error is not None:
             raise self._error
+        if self._stream is not None:
+            main = torch.cuda.current_stream(self.local.device)
+            main.wait_stream(self._stream)
+            for t in self._inc + self._out:
+                t.record_stream(main)
         return torch.cat(self._inc, dim=2), torch.cat(self._out, dim=2)
 
 

@@ -1,0 +1,140 @@
+"""``seqpar.linear_attention``: sequence-parallel gated linear attention (ZeCO, LASP-2, LASP-1)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm.groups import group_info
+from ..comm.stats import CommStats
+from .geometry import build_shard, check_cu_seqlens
+from .kernels import fla_refusal, select_kernel
+from .ops import LinearConfig, LinearSPFunction
+from .plans import resolve_plan
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_tensor(name, t, dims):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() not in dims:
+        raise ValueError(f"{name}: expected {' or '.join(f'{d}-D' for d in dims)}, got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOATS:
+        raise ValueError(f"{name}: expected a floating dtype (float16/bfloat16/float32/float64), got {t.dtype}")
+
+
+def _validate(q, k, v, g, scale, initial_state, output_final_state, stats):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, (4,))
+    if k.shape != q.shape:
+        raise ValueError(f"k: shape {tuple(k.shape)} must equal q's {tuple(q.shape)} ([B, T_local, H, K])")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v: shape {tuple(v.shape)} must be [B, T_local, H, V] with q's B, T_local, H "
+                         f"{tuple(q.shape[:3])}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"v: q, k, v need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[1] < 1:
+        raise ValueError("q: the local sequence is empty (T_local = 0)")
+    devices = {t.device for t in (q, k, v, g, initial_state) if isinstance(t, torch.Tensor)}
+    if len(devices) > 1:
+        raise ValueError(f"q: q, k, v, g, initial_state must be on one device, got {sorted(map(str, devices))}")
+    if g is not None:
+        _check_tensor("g", g, (3, 4))
+        if g.shape != q.shape and g.shape != q.shape[:3]:
+            raise ValueError(f"g: shape {tuple(g.shape)} must be [B, T_local, H, K] = {tuple(q.shape)} "
+                             f"(per-key decay) or [B, T_local, H] = {tuple(q.shape[:3])} (scalar decay)")
+        # Positive log-decays would make the state grow without bound; we refuse rather than clamp.
+        if bool((g > 0).any()):
+            raise ValueError(f"g: the log-decay must be <= 0 everywhere (use e.g. F.logsigmoid), "
+                             f"got a maximum of {float(g.max())}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale: expected a positive finite number or None (= K ** -0.5), got {scale!r}")
+    if not isinstance(output_final_state, bool):
+        raise ValueError(f"output_final_state: expected True or False, got {output_final_state!r}")
+    if stats is not None and not isinstance(stats, CommStats):
+        raise ValueError(f"stats: expected a seqpar CommStats or None, got {type(stats).__name__}")
+
+
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None, *,
+                     group=None, method="zeco", scale: float | None = None,
+                     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                     cu_seqlens=None, stats: CommStats | None = None, backend: str | None = None):
+    """Gated linear attention over a sequence split contiguously across the ranks of ``group``.
+
+    Semantics of flash-linear-attention's ``chunk_gla``, per head with state ``S [K, V]``:
+    ``S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t`` and ``o_t = scale * q_t S_t``.
+
+    Shapes (``N`` ranks in ``group``, ``T_global = N * T_local``; rank ``p`` holds global tokens
+    ``[p*T_local, (p+1)*T_local)``, e.g. from ``seqpar.shard(x, method="zeco")``):
+
+    - ``q``, ``k``: ``[B, T_local, H, K]``; ``v``: ``[B, T_local, H, V]`` (one dtype).
+    - ``g``: log-decay ``<= 0``, ``[B, T_local, H, K]`` (per key channel) or ``[B, T_local, H]`` (one per
+      head, broadcast over K), or None (no decay: plain linear attention). A positive value raises
+      ``ValueError`` (no silent clamp).
+    - ``cu_seqlens``: packed documents. The GLOBAL cumulative lengths (int32 tensor or list, starting
+      at 0, ending at ``T_global``) of the packed stream ``[1, T_global, H, K]``; the same on every rank.
+      The state resets at every document start; a shard's first piece continues the state of the
+      previous rank unless a document starts exactly at the shard's first token.
+    - ``initial_state``: ``[B, H, K, V]`` (``[1, H, K, V]`` packed: it feeds the first document), the
+      state before global token 0; the same on every rank.
+    - returns ``o``: ``[B, T_local, H, V]`` in the input dtype, and the final state ``[B, H, K, V]`` (the
+      state after the last global token, of the last document when packed) on every rank when
+      ``output_final_state``, else None. States are float32 (float64 for float64 inputs).
+
+    ``method``: ``"zeco"`` (All-Scan: one state per rank, pipelined in blocks of K rows and overlapped
+    with the intra-chunk compute), ``"lasp2"`` (all-gather of every rank's state and decay),
+    ``"lasp1"`` (the chain, whole state at once, after the local compute), or a
+    :class:`~seqpar.linear.ScanPlan`. ``group``: a ProcessGroup, a 1-D DeviceMesh, or None (the world;
+    one device when torch.distributed is not initialised). ``stats``: a :class:`CommStats` that gets the
+    bytes this rank sends, by phase. ``backend``: ``"torch"``, ``"triton"`` or None (automatic).
+
+    Gradients flow to q, k, v, g and initial_state. Every rank's copy of the final state is an output:
+    their gradients are summed. The gradient of ``initial_state`` comes out on the group's first rank
+    (zero elsewhere), so summing it over the group (as for any replicated tensor) gives the full one.
+    Computation is in float32 (float64 for float64 inputs); gradients come back in the inputs' dtypes.
+    """
+    info = group_info(group)
+    _validate(q, k, v, g, scale, initial_state, output_final_state, stats)
+    plan = resolve_plan(method)
+    bsz, t_local, hh, kd = q.shape
+    cu = None
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, batch=bsz, t_local=t_local, world=info.size)
+    rows = 1 if cu is not None else bsz
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state, (4,))
+        want = (rows, hh, kd, v.shape[-1])
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state: expected shape [{'1' if cu else 'B'}, H, K, V] = {want}, got "
+                             f"{tuple(initial_state.shape)}")
+    scale = float(kd ** -0.5 if scale is None else scale)
+    kernel = select_kernel(q, backend)
+    if info.single and backend is None and fla_refusal(q) is None:
+        return _fla_single(q, k, v, g, scale, initial_state, output_final_state, cu)
+    shard = build_shard(info.rank, info.size, bsz, t_local, cu)
+    cfg = LinearConfig(info, plan, shard, kernel.layout(shard.seq_lens, q.device), kernel, scale,
+                       output_final_state, stats)
+    out = LinearSPFunction.apply(q, k, v, g, initial_state, cfg)
+    return out if output_final_state else (out, None)
+
+
+def _fla_single(q, k, v, g, scale, h0, output_final_state, cu):
+    """One device on CUDA with flash-linear-attention installed: its fused kernels, our semantics
+    (per-document states inside, the first document takes ``h0``, the last one's state comes out)."""
+    from fla.ops.gla import chunk_gla
+
+    if g is None:
+        g = torch.zeros_like(q)
+    elif g.dim() == 3:
+        g = g[..., None].expand_as(q)
+    cu_t = None
+    if cu is not None:
+        cu_t = torch.tensor(cu, dtype=torch.long, device=q.device)
+        if h0 is not None and len(cu) > 2:
+            h0 = torch.cat([h0, h0.new_zeros(len(cu) - 2, *h0.shape[1:])])
+    o, ht = chunk_gla(q, k, v, g, scale=scale, initial_state=None if h0 is None else h0.float(),
+                      output_final_state=output_final_state, cu_seqlens=cu_t)
+    return o, (ht[-1:] if (ht is not None and cu is not None) else ht)
