@@ -12,6 +12,8 @@ fp32 (fp64 for fp64). Masks ``MASKS`` are aligned top-left when Tq != Tk.
 - :func:`select_backend` / :func:`available_backends`: dispatch over
   ``flash_attn`` > ``torch_cuda`` > ``torch_cpu`` > ``reference``
   (``reference`` first for float64).
+- :func:`varlen_forward` / :func:`varlen_backward`: packed streams ``[1, T, H, D]``
+  described by :class:`VarlenSegments` (per-document segments; :mod:`.varlen`).
 """
 
 from .base import MASKS, Backend, BlockPlan, Capabilities, check_qkv, plan_block
@@ -24,6 +26,7 @@ from .dispatch import (
     select_backend,
 )
 from .merge import merge_, new_accumulator
+from .varlen import Segment, VarlenSegments, varlen_backward, varlen_forward
 
 __all__ = [
     "MASKS",
@@ -40,4 +43,8 @@ __all__ = [
     "new_accumulator",
     "plan_block",
     "select_backend",
+    "Segment",
+    "VarlenSegments",
+    "varlen_backward",
+    "varlen_forward",
 ]
