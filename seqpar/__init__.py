@@ -2,14 +2,16 @@
 
 Public API:
     METHODS, attention, shard, unshard, SequenceParallelAttention, CommStats,
-    LINEAR_METHODS, linear_attention
+    LINEAR_METHODS, linear_attention, checkpoint, TokenRingGroups
 """
 
 from .attention import METHODS, SequenceParallelAttention, attention
+from .attention.checkpoint import checkpoint
+from .attention.token_ring import TokenRingGroups
 from .comm import CommStats
 from .layout import shard, unshard
 from .linear import LINEAR_METHODS, linear_attention
 
 __version__ = "0.1.0"
 __all__ = ["LINEAR_METHODS", "METHODS", "CommStats", "SequenceParallelAttention", "attention", "linear_attention", "shard", "unshard",
-           "__version__"]
+           "__version__", "checkpoint", "TokenRingGroups"]

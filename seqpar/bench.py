@@ -53,6 +53,7 @@ class BenchRow:
     bytes_fwd: int = 0
     bytes_bwd: int = 0
     busiest_link: int = 0
+    busiest_link_step: int = 0  # forward: most bytes sent to one peer within one step
     max_error: float = float("nan")
     error: str = ""
     extra: dict = field(default_factory=dict)
@@ -71,12 +72,12 @@ def _inputs(case: BenchCase, seed: int = 0):
     return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
 
 
-def _time_once(method, causal, q, k, v, dout, group, stats=None):
+def _time_once(method, causal, q, k, v, dout, group, stats=None, comm=None):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     if group is not None:
         dist.barrier(group)
     t0 = time.perf_counter()
-    out = seqpar.attention(q, k, v, method=method, causal=causal, group=group, stats=stats)
+    out = seqpar.attention(q, k, v, method=method, causal=causal, group=comm or group, stats=stats)
     t1 = time.perf_counter()
     out.backward(dout)
     t2 = time.perf_counter()
@@ -89,6 +90,9 @@ def _max_over_ranks(x: float, group) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t)
+
+
+_TWO_WAY = ("token_ring", "lightseq")
 
 
 def run_case_on_rank(case: BenchCase) -> dict:
@@ -106,15 +110,20 @@ def run_case_on_rank(case: BenchCase) -> dict:
         stats = seqpar.CommStats()
         fwd, bwd = [], []
         out = None
+        # methods whose two traffic directions get their own communicators (created once, collectively)
+        comm = seqpar.TokenRingGroups(group) if group is not None and case.method in _TWO_WAY else None
         for i in range(case.warmup + case.repeats):
             s = stats if i == 0 else None
-            out, tf, tb = _time_once(case.method, case.causal, *local, group, stats=s)
+            out, tf, tb = _time_once(case.method, case.causal, *local, group, stats=s, comm=comm)
             if i >= case.warmup:
                 fwd.append(_max_over_ranks(tf, group))
                 bwd.append(_max_over_ranks(tb, group))
+        if comm is not None:
+            comm.destroy()
         row.fwd_ms, row.bwd_ms = statistics.median(fwd), statistics.median(bwd)
         row.bytes_fwd, row.bytes_bwd = stats.total("fwd"), stats.total("bwd")
         row.busiest_link = stats.busiest_link("fwd")
+        row.busiest_link_step = stats.busiest_link_per_step("fwd")
         full = seqpar.unshard(out, method=case.method, group=group)
         # single-rank baseline with the same threads: the same method on a group of one rank
         solo = None
@@ -137,7 +146,8 @@ def run_case_on_rank(case: BenchCase) -> dict:
 
 
 def _single_thread_group_baseline_note() -> str:
-    return "efficiency = single-rank time (same threads per rank) / (N x time on N ranks)"
+    return ("efficiency = single-rank time (same threads per rank) / (N x time on N ranks); "
+            "link/step = forward bytes sent to the busiest peer within one step")
 
 
 def environment() -> dict:
@@ -183,13 +193,15 @@ def run_cases(cases: list[BenchCase], *, progress: bool = True) -> list[dict]:
 def print_table(rows: list[dict], title: str = "seqpar bench") -> None:
     cols = [("method", "method"), ("N", "world_size"), ("T", "seq_len"), ("causal", "causal"),
             ("fwd ms", "fwd_ms"), ("bwd ms", "bwd_ms"), ("1-rank ms", None), ("efficiency", "efficiency"),
-            ("MB sent/rank", None), ("max err", "max_error"), ("error", "error")]
+            ("MB sent/rank", None), ("link/step KB", None), ("max err", "max_error"), ("error", "error")]
 
     def cell(r, key, label):
         if label == "1-rank ms":
             return f"{r['fwd_ms_1'] + r['bwd_ms_1']:.1f}"
         if label == "MB sent/rank":
             return f"{(r['bytes_fwd'] + r['bytes_bwd']) / 1e6:.2f}"
+        if label == "link/step KB":  # forward: most bytes to one peer in one step (CommStats)
+            return f"{r.get('busiest_link_step', 0) / 1e3:.0f}"
         val = r[key]
         if isinstance(val, float):
             return f"{val:.3f}" if key == "efficiency" else (f"{val:.1e}" if key == "max_error" else f"{val:.1f}")

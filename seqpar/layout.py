@@ -11,6 +11,10 @@ Layouts (N ranks, global length T):
 - ``zigzag`` (``zigzag_ring``, ``allgather_kv``, ``token_ring``): the sequence is cut into 2N equal
   chunks and rank r holds chunks r and 2N-1-r, in that order. Needs ``T % 2N == 0``.
 - ``striped`` (``striped_ring``): token i lives on rank ``i mod N``. Needs ``T % N == 0``.
+- ``usp`` (``usp``): the composition of :mod:`seqpar.attention.usp`: the ring method's layout over R
+  super-shards, each cut into U contiguous pieces; rank (u, j) holds piece u of super-shard j.
+  Needs ``T % (R·lcm(m, U)) == 0`` (m = 2 for a zigzag ring method, else 1). ``shard``/``unshard``
+  then take the same ``group``, ``ulysses_degree`` and ``ring_method`` as ``seqpar.attention``.
 """
 
 from __future__ import annotations
@@ -65,7 +69,16 @@ def token_indices(T: int, n: int, rank: int, layout: str, device=None) -> torch.
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+def _usp_module(method, ulysses_degree, ring_method):
+    """:mod:`seqpar.attention.usp` when ``method == "usp"`` (its layout composes two), else None."""
+    from .attention import usp  # local import: the attention package imports this module
+
+    usp.check_usp_options(method, ulysses_degree, ring_method)
+    return usp if method == "usp" else None
+
+
+def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int = 1, cu_seqlens=None,
+          ulysses_degree: int | None = None, ring_method: str | None = None) -> torch.Tensor:
     """This rank's part of a global tensor, in the layout ``method`` needs.
 
     Args:
@@ -73,11 +86,16 @@ def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int 
         group: ProcessGroup or 1-D DeviceMesh of the sequence-parallel ranks (None = world).
         method: a softmax method of ``seqpar.METHODS`` or a linear method (contiguous shards).
         dim: the token dimension of ``x``.
+        ulysses_degree, ring_method: ``method="usp"`` only, as given to ``seqpar.attention``.
     Returns:
         ``x`` restricted to this rank's tokens along ``dim``: ``T_local = T_global / N`` tokens.
         Purely local: no communication.
     """
     _packed_not_yet(cu_seqlens)
+    usp = _usp_module(method, ulysses_degree, ring_method)
+    if usp is not None:
+        return usp.shard_usp(x, group=group, dim=dim % x.dim(), ulysses_degree=ulysses_degree,
+                             ring_method=ring_method)
     info = group_info(group)
     layout = layout_of(method)
     dim = dim % x.dim()
@@ -89,13 +107,18 @@ def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int 
 
 
 def unshard(x_local: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int = 1, cu_seqlens=None,
-            stats: CommStats | None = None) -> torch.Tensor:
+            stats: CommStats | None = None, ulysses_degree: int | None = None,
+            ring_method: str | None = None) -> torch.Tensor:
     """Gather every rank's part and restore global token order; every rank gets the full tensor.
 
     Inverse of :func:`shard`: ``unshard(shard(x)) == x`` exactly. ``x_local`` must have the same
     shape on every rank. This is a collective over ``group``.
     """
     _packed_not_yet(cu_seqlens)
+    usp = _usp_module(method, ulysses_degree, ring_method)
+    if usp is not None:
+        return usp.unshard_usp(x_local, group=group, dim=dim % x_local.dim(), ulysses_degree=ulysses_degree,
+                               ring_method=ring_method, stats=stats)
     info = group_info(group)
     layout = layout_of(method)
     dim = dim % x_local.dim()

@@ -11,6 +11,9 @@ from ..comm import CommStats, GroupInfo, group_info
 from ..kernels import check_qkv, select_backend, available_backends
 from .registry import MethodSpec, method_spec
 from .ring import RingAttention, RingConfig
+from .token_ring import TokenRingGroups
+from .ulysses import run_ulysses
+from .usp import check_usp_options, run_usp
 
 _GRAD_COMM = {None: None, "fp32": torch.float32, "float32": torch.float32, "input": "input"}
 
@@ -54,7 +57,8 @@ def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, gr
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, method: str = "zigzag_ring",
               causal: bool = False, softmax_scale: float | None = None, cu_seqlens=None,
               backend: str | None = None, stats: CommStats | None = None,
-              grad_comm_dtype: str | None = None) -> torch.Tensor:
+              grad_comm_dtype: str | None = None, ulysses_degree: int | None = None,
+              ring_method: str | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence split across the ranks of ``group``.
 
     Shapes (N = ranks in ``group``, ``T_local = T_global / N``):
@@ -68,7 +72,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
 
     Args:
         group: ProcessGroup or 1-D DeviceMesh (None = the default group; a single device when
-            torch.distributed is not initialised).
+            torch.distributed is not initialised), or a ``TokenRingGroups`` (``token_ring`` and
+            ``lightseq`` then send their two traffic directions on separate communicators).
         method: one of ``seqpar.METHODS``.
         causal: causal mask in *global* token order (query i sees keys j <= i).
         softmax_scale: defaults to ``D ** -0.5``.
@@ -78,11 +83,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         stats: a ``seqpar.comm.CommStats`` that receives the bytes this rank sends (fwd and bwd).
         grad_comm_dtype: dtype of the dK,dV accumulators on the wire in backward: None/"fp32"
             (exact, default) or "input" (half the bytes for bf16/fp16, rounds partial sums).
+        ulysses_degree, ring_method: ``method="usp"`` only (:mod:`seqpar.attention.usp`): the
+            Ulysses degree U when ``group`` is a plain group (default ``gcd(N, ranks per node)``;
+            a 2-D mesh, a ``(ulysses_group, ring_group)`` pair or ``make_usp_groups(...)`` fix
+            it) and the ring-family method across the ring axis (default ``"zigzag_ring"``).
+            Pass the same ``group``/``ulysses_degree``/``ring_method`` to ``seqpar.shard``.
 
     Raises ``ValueError`` naming the argument, on every rank and before any communication, for bad
     shapes, dtypes, method, backend or lengths.
     """
-    info = group_info(group)
+    check_usp_options(method, ulysses_degree, ring_method)
+    channels = None
+    if isinstance(group, TokenRingGroups):  # the group plus one communicator per traffic direction
+        group, channels = group.group, group.channels
+    # usp takes a 2-D mesh, a pair of groups or USPGroups as group: its runner resolves them
+    info = None if method == "usp" else group_info(group)
     spec = _validate(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                      backend=backend, grad_comm_dtype=grad_comm_dtype, info=info)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
@@ -90,7 +105,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     if wire == "input":
         wire = k.dtype
     call = CallSpec(info=info, spec=spec, causal=causal, scale=scale, backend=backend, grad_comm_dtype=wire,
-                    stats=stats)
+                    stats=stats, group=group, ulysses_degree=ulysses_degree, ring_method=ring_method,
+                    channels=channels)
     return FAMILIES[spec.family](q.contiguous(), k.contiguous(), v.contiguous(), call)
 
 
@@ -105,17 +121,21 @@ class CallSpec:
     backend: str | None
     grad_comm_dtype: torch.dtype | None
     stats: CommStats | None
+    group: object = None  # the caller's group argument (usp resolves its two axes from it)
+    ulysses_degree: int | None = None
+    ring_method: str | None = None
+    channels: tuple | None = None  # extra communicators of a TokenRingGroups (one per traffic direction)
 
 
 def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
     plan = call.spec.plan(call.info.rank, call.info.size, q.shape[1], call.causal, call.spec.transport)
     cfg = RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
-                     grad_comm_dtype=call.grad_comm_dtype, stats=call.stats)
+                     grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels)
     return RingAttention.apply(q, k, v, cfg)
 
 
 # family name -> runner(q, k, v, CallSpec) -> out. A new family adds its module and one entry here.
-FAMILIES = {"ring": _run_ring}
+FAMILIES = {"ring": _run_ring, "ulysses": run_ulysses, "usp": run_usp}
 
 
 class SequenceParallelAttention(torch.nn.Module):
@@ -125,16 +145,19 @@ class SequenceParallelAttention(torch.nn.Module):
     """
 
     def __init__(self, *, group=None, method: str = "zigzag_ring", causal: bool = False,
-                 softmax_scale: float | None = None, backend: str | None = None):
+                 softmax_scale: float | None = None, backend: str | None = None,
+                 ulysses_degree: int | None = None, ring_method: str | None = None):
         super().__init__()
         method_spec(method, argument="method", softmax_only=True)
+        check_usp_options(method, ulysses_degree, ring_method)
         self.group, self.method, self.causal = group, method, causal
         self.softmax_scale, self.backend = softmax_scale, backend
+        self.ulysses_degree, self.ring_method = ulysses_degree, ring_method
 
     def forward(self, q, k, v, cu_seqlens=None, stats: CommStats | None = None):
         return attention(q, k, v, group=self.group, method=self.method, causal=self.causal,
                          softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens, backend=self.backend,
-                         stats=stats)
+                         stats=stats, ulysses_degree=self.ulysses_degree, ring_method=self.ring_method)
 
     def extra_repr(self) -> str:
         return f"method={self.method!r}, causal={self.causal}"

@@ -1,23 +1,49 @@
-"""Per-step plans for the ring family: which slices of Q and of the visiting K,V meet, under which mask.
+"""Schedules: what one rank computes and sends at each step of a softmax sequence-parallel method.
 
-Ring, zigzag and striped attention are the same loop; they differ only in these plans
-(ALGORITHMS.md §1). At step ``s`` rank ``r`` holds the K,V shard of member ``j = (r - s) mod N``.
-A plan is built once per call on the host from (rank, N, local length, causal): nothing in the
-step loop inspects data or synchronises with the device.
+Every softmax method of seqpar is a :class:`Schedule` run by ONE executor
+(:func:`seqpar.attention.ring.execute`); the methods differ only in the schedule, built once per
+call on the host from (rank, N, local length, causal). Nothing in the step loop inspects data or
+synchronises with the device.
+
+Vocabulary (all positions are *offsets* on the group's ring, taken mod N: 0 is this rank, +1 the
+next member, -1 the previous one; a schedule is therefore written from the point of view of one
+rank and needs no global rank):
+
+- **operands**: ``"q"`` the query bundle of a member (forward: q; backward: q, dout, lse, delta)
+  and ``"kv"`` its K,V (``[2, B, T, Hkv, D]``, never GQA-expanded).
+- **results**: ``"out"`` the partial results for a member's query rows (forward: out and lse;
+  backward: dq) and ``"dkv"`` those for its K,V rows (backward only: dK, dV).
+- a :class:`Task` computes :class:`Block` s between the query bundle of member ``q`` and the K,V
+  of member ``kv``; results for offset 0 go to this rank's accumulators, results for others are
+  kept until a :class:`Move` sends them.
+- a :class:`Move` is one message: rows ``rows`` (in the owner's local order) of payload ``what``
+  of member ``owner``, sent to or received from member ``peer``, on communication ``channel``
+  (channel 1 carries results against the direction of the operands: its own process group).
+
+The moves of step ``s`` are posted together before the tasks of step ``s`` and waited on after
+them: received operands serve the following steps (prefetch), received results are folded into
+the accumulators. Results computed at step ``s`` can therefore leave at step ``s + 1`` ("one step
+behind"); a schedule ends with a step without tasks that sends the last results home.
+
+This module holds the vocabulary and the ring family (``ring``, ``zigzag_ring``,
+``striped_ring``, ``allgather_kv``), which differ only in the blocks of each step
+(:class:`RingPlan`); ``token_ring`` and ``lightseq`` live in their own modules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+OPERANDS = ("q", "kv")
+RESULTS = ("out", "dkv")
+PAYLOADS = OPERANDS + RESULTS
+
 
 @dataclass(frozen=True)
 class Block:
-    """One block computation: local query rows ``q`` against rows ``kv`` of the visiting K,V.
-
-    ``mask`` is a block mask of :mod:`seqpar.kernels` (``none``, ``causal``, ``causal_strict``),
-    aligned top-left on the two slices.
-    """
+    """One block computation: query rows ``q`` against K,V rows ``kv`` (each in its owner's local
+    order). ``mask`` is a block mask of :mod:`seqpar.kernels` (``none``, ``causal``,
+    ``causal_strict``), aligned top-left on the two slices."""
 
     q: slice
     kv: slice
@@ -25,11 +51,79 @@ class Block:
 
 
 @dataclass(frozen=True)
-class RingPlan:
-    """``steps[s]``: the blocks this rank computes at step ``s`` (empty tuple: nothing to compute).
+class Task:
+    """The blocks between the query bundle of member ``q`` and the K,V of member ``kv`` (offsets)."""
 
-    ``transport`` says how the K,V of other ranks arrive: ``"p2p"`` (passed around the ring, next
-    step prefetched during the current one) or ``"allgather"`` (gathered once up front).
+    q: int
+    kv: int
+    blocks: tuple[Block, ...]
+
+
+@dataclass(frozen=True)
+class Move:
+    """One message: rows ``rows`` of payload ``what`` (:data:`PAYLOADS`) belonging to member
+    ``owner``, sent to (``send=True``) or received from member ``peer``, on ``channel``."""
+
+    what: str
+    owner: int
+    peer: int
+    send: bool
+    rows: slice
+    channel: int = 0
+
+
+@dataclass(frozen=True)
+class Step:
+    """``moves`` are posted before ``tasks`` run and waited on after them."""
+
+    tasks: tuple[Task, ...] = ()
+    moves: tuple[Move, ...] = ()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A rank's whole schedule for one attention call (forward and backward use the same one).
+
+    ``transport="allgather"``: the K,V of every member are all-gathered before step 0 (tasks then
+    name any ``kv`` offset and no K,V move is needed) and the backward reduce-scatters dK,dV after
+    the last step. ``name`` prefixes the primitive names in ``CommStats`` (``"ring"`` ->
+    ``ring_kv``, ``ring_dkv``; ``"token_ring"`` -> ``token_ring_q``, ``token_ring_out``).
+    """
+
+    steps: tuple[Step, ...]
+    transport: str = "p2p"
+    name: str = "ring"
+
+    @property
+    def n(self) -> int:
+        return len(self.steps)
+
+    def schedule(self, t_local: int | None = None) -> "Schedule":
+        return self
+
+    def work(self, t_local: int) -> float:
+        """Score elements this rank computes, a causal block counting half (load-balance metric)."""
+        return sum(_block_work(b, t_local) for s in self.steps for t in s.tasks for b in t.blocks)
+
+
+def _block_work(b: Block, t_local: int) -> float:
+    rows = len(range(t_local)[b.q])
+    cols = len(range(t_local)[b.kv])
+    return rows * cols * (0.5 if b.mask != "none" else 1.0)
+
+
+def row_range(start: int, stop: int) -> slice:
+    """An explicit row range (schedules never use open slices: the executor does arithmetic on them)."""
+    return slice(int(start), int(stop))
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """The ring family: ``steps[s]`` are the blocks of local Q against the K,V of member ``-s``.
+
+    ``transport``: ``"p2p"`` (K,V pass one hop per step, the next prefetched during the current
+    one; in backward the fp32 dK,dV accumulators travel one step behind and arrive home after N
+    hops) or ``"allgather"`` (gathered once up front). :meth:`schedule` expands it.
     """
 
     steps: tuple[tuple[Block, ...], ...]
@@ -40,14 +134,25 @@ class RingPlan:
         return len(self.steps)
 
     def work(self, t_local: int) -> float:
-        """Score elements computed by this rank, counting a causal block as half (load-balance metric)."""
-        total = 0.0
-        for blocks in self.steps:
-            for b in blocks:
-                rows = len(range(t_local)[b.q])
-                cols = len(range(t_local)[b.kv])
-                total += rows * cols * (0.5 if b.mask != "none" else 1.0)
-        return total
+        return sum(_block_work(b, t_local) for blocks in self.steps for b in blocks)
+
+    def schedule(self, t_local: int) -> Schedule:
+        """The executor's form: step ``s`` computes against member ``-s``; with ``p2p`` it also
+        forwards the K,V it holds to ``+1`` and the dK,dV partial sums of the previous step's
+        shard (which arrived from ``-1`` and gained this rank's share) after them."""
+        n = self.n
+        ring = self.transport != "allgather" and n > 1
+        every = row_range(0, t_local)
+        steps = []
+        for s in range(n + (1 if ring else 0)):
+            tasks = (Task(0, -s % n, self.steps[s]),) if s < n else ()
+            moves = []
+            if ring and s + 1 < n:  # the K,V of step s+1, posted before the blocks of step s
+                moves += [Move("kv", -s % n, 1, True, every), Move("kv", -(s + 1) % n, -1, False, every)]
+            if ring and s >= 1:  # the dK,dV of the shard of step s-1 follow it, one hop behind
+                moves += [Move("dkv", -(s - 1) % n, 1, True, every), Move("dkv", -s % n, -1, False, every)]
+            steps.append(Step(tasks, tuple(moves)))
+        return Schedule(tuple(steps), self.transport, "ring")
 
 
 def _all(t: int) -> slice:
@@ -109,3 +214,61 @@ def striped_plan(rank: int, n: int, t_local: int, causal: bool, transport: str =
             mask = "causal" if j <= rank else "causal_strict"
         steps.append((Block(_all(t_local), _all(t_local), mask),))
     return RingPlan(tuple(steps), transport)
+
+
+def verify(build, n: int, t_local: int, causal: bool, layout: str) -> None:
+    """Check the schedules of all ``n`` ranks of a builder ``(rank, n, t_local, causal) -> plan``
+    against each other, on the host (for tests and for anyone writing a schedule):
+
+    - every send has a matching receive (same step, channel, payload, owner and rows) and back;
+    - every operand a task or a send uses is held at that step (own, or received earlier);
+    - every (query, key) pair the mask allows is computed exactly once, none it forbids.
+
+    Raises ``AssertionError`` describing the first problem.
+    """
+    from ..layout import token_indices  # local import: the layout module imports the registry
+
+    T = t_local * n
+    scheds = [build(r, n, t_local, causal).schedule(t_local) for r in range(n)]
+    steps = max(s.n for s in scheds)
+    cover = [[0] * T for _ in range(T)]
+    held = [{("q", r): (0, t_local), ("kv", r): (0, t_local)} for r in range(n)]
+    if scheds[0].transport == "allgather":
+        for r in range(n):
+            held[r].update({("kv", j): (0, t_local) for j in range(n)})
+
+    def has(r, what, owner, rows, where):
+        lo, hi = held[r].get((what, owner), (0, 0))
+        assert lo <= rows.start and rows.stop <= hi, f"rank {r} {where}: {what} rows {rows} of {owner} not held"
+
+    for i in range(steps):
+        arrivals = []
+        for r, sched in enumerate(scheds):
+            step = sched.steps[i] if i < sched.n else Step()
+            for m in step.moves:
+                dst, owner = (r + m.peer) % n, (r + m.owner) % n
+                assert dst != r, f"rank {r} step {i}: a move to itself"
+                other = [(o.what, o.owner % n, o.peer % n, o.send, o.rows, o.channel)
+                         for o in (scheds[dst].steps[i].moves if i < scheds[dst].n else ())]
+                twin = (m.what, (owner - dst) % n, -m.peer % n, not m.send, m.rows, m.channel)
+                assert twin in other, f"rank {r} step {i}: {m} has no matching move on rank {dst}"
+                if m.send and m.what in OPERANDS:
+                    has(r, m.what, owner, m.rows, f"step {i} send")
+                elif not m.send and m.what in OPERANDS:
+                    arrivals.append((r, (m.what, owner), (m.rows.start, m.rows.stop)))
+            for t in step.tasks:
+                a, b = (r + t.q) % n, (r + t.kv) % n
+                qi, ki = token_indices(T, n, a, layout).tolist(), token_indices(T, n, b, layout).tolist()
+                for blk in t.blocks:
+                    has(r, "q", a, blk.q, f"step {i} task")
+                    has(r, "kv", b, blk.kv, f"step {i} task")
+                    for x, gq in enumerate(qi[blk.q]):
+                        for y, gk in enumerate(ki[blk.kv]):
+                            if blk.mask == "none" or (y <= x if blk.mask == "causal" else y < x):
+                                cover[gq][gk] += 1
+        for r, key, span in arrivals:
+            held[r][key] = span
+    for gq in range(T):
+        for gk in range(T):
+            want = 1 if (not causal or gk <= gq) else 0
+            assert cover[gq][gk] == want, f"query {gq}, key {gk}: computed {cover[gq][gk]} times, expected {want}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import plans
+from . import lightseq, plans, token_ring
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,14 @@ _SPECS = (
                "ring with token i on rank i mod N: balanced causal work."),
     MethodSpec("allgather_kv", "ring", "zigzag", plans.zigzag_plan, "allgather",
                "all-gather K,V once, local Q against what it needs; reduce-scatter dK,dV."),
+    MethodSpec("token_ring", "ring", "zigzag", token_ring.token_ring_plan, "p2p",
+               "K,V stay; Q travels one hop per step, partial outputs go straight home (both link directions)."),
+    MethodSpec("lightseq", "ring", "contiguous", lightseq.lightseq_plan, "p2p",
+               "contiguous causal, balanced by helper ranks that compute for the busiest (DistAttn)."),
+    MethodSpec("ulysses", "ulysses", "contiguous", summary="all-to-all to head shards, full local attention, "
+               "all-to-all back; KV heads sent only to the ranks that use them (GQA)."),
+    MethodSpec("usp", "usp", "usp", summary="2-D: Ulysses inside one mesh axis, any ring-family method "
+               "across the other (ring_method=, ulysses_degree=)."),
 )
 _LINEAR = (
     MethodSpec("zeco", "linear", "contiguous", summary="linear attention, All-Scan of one state per rank."),

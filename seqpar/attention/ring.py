@@ -1,16 +1,25 @@
-"""The shared ring loop (forward and backward) and the one autograd.Function of the ring family.
+"""The one executor of every softmax method, and the one autograd.Function of the family.
 
-Every ring-family method runs through :func:`ring_forward` / :func:`ring_backward` with a
-:class:`~seqpar.attention.plans.RingPlan`. The K,V of other ranks arrive through a transport:
+``ring``, ``zigzag_ring``, ``striped_ring``, ``allgather_kv``, ``token_ring`` and ``lightseq``
+are all :class:`~seqpar.attention.plans.Schedule` s run by :func:`execute`. Per step it
 
-- ``p2p``: K,V travel around the ring (``[2, B, T, Hkv, D]`` in one message, never GQA-expanded).
-  The transfer for step s+1 is posted before the blocks of step s are computed and waited on after
-  them. In backward the fp32 dK,dV accumulators of each shard travel one step behind their K,V and
-  arrive home after N hops; the incoming accumulator is waited on only after this step's blocks.
-- ``allgather``: K,V are all-gathered once; backward re-gathers them and reduce-scatters dK,dV.
+1. posts the step's moves as one batch per (channel, payload): operands for later steps
+   (prefetch) and results of the previous step going to their owner or along the ring;
+2. computes the step's blocks: results for this rank's rows go straight into its accumulators
+   (running out/lse merged in fp32, or dq / dK,dV summed in fp32), results for other members'
+   rows are kept until a move sends them;
+3. waits for the step's transfers, folds the results that arrived into the accumulators and keeps
+   the operands that arrived for the next steps (and drops those no later step uses).
+
+The forward and the backward run the same schedule: forward operands are q and K,V and results
+are (out, lse); backward operands are the query bundle (q, dout, lse, delta) and K,V, and results
+are dq and dK,dV (dK,dV moves are skipped in forward). Everything that touches a tensor is here;
+the schedules are plain host-side data.
 
 Running output and lse stay in fp32 for the whole loop and are cast once at the end, so the error
-does not grow with the ring size.
+does not grow with the ring size. Results travel as follows: a forward partial out in the input
+dtype (each partial a schedule sends is one block's output, which the kernel returns in that dtype:
+no extra rounding) with its lse in fp32; dq, dK, dV in ``grad_comm_dtype`` (default fp32, exact).
 """
 
 from __future__ import annotations
@@ -19,53 +28,312 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import CommStats, GroupInfo, all_gather_stack, reduce_scatter_stack, ring_shift
+from ..comm import CommStats, GroupInfo, all_gather_stack, exchange, nbytes, reduce_scatter_stack
 from ..kernels import block_backward, block_forward, merge_, new_accumulator
-from .plans import RingPlan
+from .checkpoint import active_tape
+from .plans import OPERANDS, PAYLOADS, Move, RingPlan, Schedule, Task
 
 
 @dataclass(frozen=True)
 class RingConfig:
-    """Everything the ring loop needs besides tensors; frozen, built once per call."""
+    """Everything the executor needs besides tensors; frozen, built once per call.
+
+    ``plan``: a :class:`~seqpar.attention.plans.RingPlan` or any ``Schedule``. ``channels``:
+    communication channels, process groups with the same members as ``info`` (channel ``i`` of a
+    schedule uses ``channels[i]``, the last one for higher indices); None: ``info`` for all.
+    """
 
     info: GroupInfo
-    plan: RingPlan
+    plan: RingPlan | Schedule
     scale: float
     backend: str | None = None
-    grad_comm_dtype: torch.dtype | None = None  # None: dK,dV travel in fp32 (exact)
+    grad_comm_dtype: torch.dtype | None = None  # None: dq, dK, dV travel in fp32 (exact)
     stats: CommStats | None = None
+    channels: tuple[GroupInfo, ...] | None = None
+
+    def channel(self, i: int) -> GroupInfo:
+        if not self.channels:
+            return self.info
+        return self.channels[min(i, len(self.channels) - 1)]
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _tag(what: str, part: int) -> int:
+    """Each payload (and each tensor of it) is its own message stream between two ranks, so two
+    payloads crossing the same link in one step can never be matched with each other."""
+    return 4 * PAYLOADS.index(what) + part
+
+
+def _narrow(x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    return x if (start, stop) == (0, x.shape[dim]) else x.narrow(dim, start, stop - start)
+
+
+def _surrogate_out(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """An ``out`` with ``rowsum(dout * out) == delta``, for block kernels that derive delta from
+    ``out`` (torch's CPU and CUDA ops): a foreign query bundle travels with delta (Hq numbers per
+    row) instead of out (Hq·D). out enters those backward ops only through that row sum. Built from
+    ``dout / max|dout|`` so it neither overflows nor underflows (checked: fp32 gradients within
+    2e-7 of the ones computed from the true out)."""
+    d = dout.to(delta.dtype)
+    m = d.abs().amax(-1, keepdim=True)
+    u = torch.where(m > 0, d / m, 0.0)
+    denom = m * (u * u).sum(-1, keepdim=True)
+    return u * torch.where(m > 0, delta.transpose(1, 2).unsqueeze(-1) / denom, 0.0)
+
+
+class _Held:
+    """Rows ``[row0, row0 + n)`` (owner's local order) of one member's operand, as named tensors
+    (``q`` | ``k``, ``v`` | backward: ``dout``, ``lse``, ``delta``, ``out``) and as sent (``wire``)."""
+
+    def __init__(self, row0: int, parts: dict, wire: tuple | None = None):
+        self.row0, self.parts, self.wire = row0, parts, wire
+        first = parts["q"] if "q" in parts else parts["k"]
+        self.n = first.shape[1]
+
+    def local(self, rows: slice) -> slice:
+        lo, hi = rows.start - self.row0, rows.stop - self.row0
+        if lo < 0 or hi > self.n:
+            raise RuntimeError(f"schedule error: rows {rows} used, but only {self.row0}..{self.row0 + self.n} held")
+        return slice(lo, hi)
+
+
+class _Run:
+    """One pass (forward or backward) of a schedule on this rank."""
+
+    def __init__(self, cfg: RingConfig, sched: Schedule, q, k, v, dout=None, out=None, lse=None):
+        self.cfg, self.sched, self.bwd = cfg, sched, dout is not None
+        self.acc = _acc_dtype(q)
+        self.gwire = cfg.grad_comm_dtype or self.acc
+        self.shape_q, self.shape_kv = tuple(q.shape), tuple(k.shape)
+        self.dtype, self.device = q.dtype, q.device
+        parts = {"q": q}
+        if self.bwd:
+            parts.update(dout=dout, out=out, lse=lse)
+        self.held = {("q", 0): _Held(0, parts), ("kv", 0): _Held(0, {"k": k, "v": v})}
+        self.partials: dict = {}  # (what, owner) -> [(rows, result tensors)] for other members' rows
+        self.mine: dict = {"out": self._zeros("out")}
+        if self.bwd:
+            self.mine["dkv"] = self._zeros("dkv")
+
+    # ---------------------------------------------------------------- results
+    def _zeros(self, what: str) -> tuple:
+        """A fresh accumulator for a whole local shard: (out, lse), (dq,) or (dk, dv)."""
+        if what == "out" and not self.bwd:
+            return new_accumulator(self.shape_q, self.device, dtype=self.acc)
+        shape = self.shape_q if what == "out" else (2, *self.shape_kv)
+        z = torch.zeros(shape, dtype=self.acc, device=self.device)
+        return (z,) if what == "out" else (z[0], z[1])
+
+    def _fold(self, acc: tuple, what: str, rows: slice, res: tuple) -> None:
+        if what == "out" and not self.bwd:
+            merge_(acc[0][:, rows], acc[1][:, :, rows], res[0], res[1])
+        else:
+            for a, r in zip(acc, res):
+                a[:, rows] += r
+
+    def add(self, what: str, owner: int, rows: slice, res: tuple) -> None:
+        if owner == 0:
+            self._fold(self.mine[what], what, rows, res)
+        else:
+            self.partials.setdefault((what, owner), []).append((rows, res))
+
+    def _rows(self, acc: tuple, what: str, rows: slice) -> tuple:
+        if what == "out" and not self.bwd:
+            return acc[0][:, rows], acc[1][:, :, rows]
+        return tuple(a[:, rows] for a in acc)
+
+    def take(self, what: str, owner: int, rows: slice) -> tuple:
+        """Hand over the results for ``owner``'s rows ``rows``, as they travel."""
+        if owner == 0:  # the ring carries this rank's own dK,dV accumulator: send it, start afresh
+            res = self._rows(self.mine[what], what, rows)
+            self.mine[what] = self._zeros(what)
+        else:
+            parts = self.partials.pop((what, owner), [])
+            if len(parts) == 1 and parts[0][0] == rows:  # one block's result: send it as computed
+                res = parts[0][1]
+            else:
+                acc = self._zeros(what)
+                for r, p in parts:
+                    self._fold(acc, what, r, p)
+                res = self._rows(acc, what, rows)
+        if what == "out" and not self.bwd:
+            return res[0].to(self.dtype).contiguous(), res[1].to(self.acc).contiguous()
+        if what == "out":
+            return (res[0].to(self.gwire).contiguous(),)
+        return (torch.stack(res).to(self.gwire),)
+
+    # ---------------------------------------------------------------- operands
+    def wire(self, what: str, owner: int, rows: slice) -> tuple:
+        """The tensors that carry ``owner``'s operand rows ``rows`` (views when nothing is cut)."""
+        h = self.held[(what, owner)]
+        if h.wire is None:  # own data, packed once
+            p = h.parts
+            if what == "kv":
+                h.wire = (torch.stack((p["k"], p["v"])),)
+            elif not self.bwd:
+                h.wire = (p["q"].contiguous(),)
+            else:
+                h.wire = (torch.stack((p["q"], p["dout"])), torch.stack((p["lse"].to(self.acc), self._delta(h))))
+        lo = h.local(rows)
+        return tuple(_narrow(t, d, lo.start, lo.stop).contiguous() for t, d in zip(h.wire, self._row_dims(what)))
+
+    def _row_dims(self, what: str) -> tuple:
+        if what == "q":
+            return (2, 3) if self.bwd else (1,)
+        if what == "out":
+            return (1,) if self.bwd else (1, 2)
+        return (2,)
+
+    def _delta(self, h: _Held) -> torch.Tensor:
+        p = h.parts
+        if p.get("delta") is None:
+            p["delta"] = (p["dout"].to(self.acc) * p["out"].to(self.acc)).sum(-1).transpose(1, 2).contiguous()
+        return p["delta"]
+
+    def buffers(self, m: Move) -> tuple:
+        n = m.rows.stop - m.rows.start
+        b, _, hq, d = self.shape_q
+        hkv, dev = self.shape_kv[2], self.device
+        if m.what == "kv":
+            return (torch.empty(2, b, n, hkv, d, dtype=self.dtype, device=dev),)
+        if m.what == "q" and self.bwd:
+            return (torch.empty(2, b, n, hq, d, dtype=self.dtype, device=dev),
+                    torch.empty(2, b, hq, n, dtype=self.acc, device=dev))
+        if m.what == "q":
+            return (torch.empty(b, n, hq, d, dtype=self.dtype, device=dev),)
+        if m.what == "out" and not self.bwd:
+            return (torch.empty(b, n, hq, d, dtype=self.dtype, device=dev),
+                    torch.empty(b, hq, n, dtype=self.acc, device=dev))
+        if m.what == "out":
+            return (torch.empty(b, n, hq, d, dtype=self.gwire, device=dev),)
+        return (torch.empty(2, b, n, hkv, d, dtype=self.gwire, device=dev),)
+
+    def arrived(self, m: Move, bufs: tuple) -> None:
+        if m.what in OPERANDS:
+            if m.what == "kv":
+                parts = {"k": bufs[0][0], "v": bufs[0][1]}
+            elif self.bwd:
+                parts = {"q": bufs[0][0], "dout": bufs[0][1], "lse": bufs[1][0], "delta": bufs[1][1]}
+            else:
+                parts = {"q": bufs[0]}
+            self.held[(m.what, m.owner)] = _Held(m.rows.start, parts, bufs)
+        elif m.what == "dkv":
+            self.add("dkv", m.owner, m.rows, (bufs[0][0], bufs[0][1]))
+        else:
+            self.add("out", m.owner, m.rows, bufs)
+
+    # ---------------------------------------------------------------- steps
+    def post(self, moves: tuple[Move, ...]) -> list:
+        """Post a step's moves, one batch per (channel, payload); returns what to wait for."""
+        batches: dict = {}
+        per_peer: dict = {}
+        for m in moves:
+            if m.what == "dkv" and not self.bwd:
+                continue
+            sends, recvs, arrivals = batches.setdefault((m.channel, m.what), ([], [], []))
+            if m.send:
+                tensors = self.wire(m.what, m.owner, m.rows) if m.what in OPERANDS else \
+                    self.take(m.what, m.owner, m.rows)
+                sends += [(t, m.peer, _tag(m.what, i)) for i, t in enumerate(tensors)]
+                per_peer[m.peer] = per_peer.get(m.peer, 0) + nbytes(*tensors)
+            else:
+                bufs = self.buffers(m)
+                recvs += [(t, m.peer, _tag(m.what, i)) for i, t in enumerate(bufs)]
+                arrivals.append((m, bufs))
+        stats = self.cfg.stats
+        if stats is not None and per_peer:
+            stats.note_step({self.cfg.info.peer(p): n for p, n in per_peer.items()})
+        posted = []
+        for (ch, what), (sends, recvs, arrivals) in batches.items():
+            pending = exchange(self.cfg.channel(ch), sends, recvs, stats=stats, name=f"{self.sched.name}_{what}")
+            posted.append((pending, arrivals))
+        return posted
+
+    def compute(self, task: Task) -> None:
+        qh, kvh = self.held[("q", task.q)], self.held[("kv", task.kv)]
+        k, v = kvh.parts["k"], kvh.parts["v"]
+        qp, cfg = qh.parts, self.cfg
+        for b in task.blocks:
+            qr, kr = qh.local(b.q), kvh.local(b.kv)
+            if not self.bwd:
+                o, lse = block_forward(qp["q"][:, qr], k[:, kr], v[:, kr], scale=cfg.scale, mask=b.mask,
+                                       backend=cfg.backend)
+                self.add("out", task.q, b.q, (o, lse))
+                continue
+            delta = None
+            if task.q != 0:  # a foreign bundle: delta travelled instead of out
+                if "out" not in qp:
+                    qp["out"] = _surrogate_out(qp["dout"], qp["delta"])
+                delta = qp["delta"][:, :, qr]
+            gq, gk, gv = block_backward(qp["dout"][:, qr], qp["q"][:, qr], k[:, kr], v[:, kr], qp["out"][:, qr],
+                                        qp["lse"][:, :, qr], scale=cfg.scale, mask=b.mask, backend=cfg.backend,
+                                        delta=delta)
+            self.add("out", task.q, b.q, (gq,))
+            self.add("dkv", task.kv, b.kv, (gk, gv))
+
+
+def _last_use(sched: Schedule) -> dict:
+    last = {}
+    for i, step in enumerate(sched.steps):
+        for t in step.tasks:
+            last[("q", t.q)] = last[("kv", t.kv)] = i
+        for m in step.moves:
+            if m.send and m.what in OPERANDS:
+                last[(m.what, m.owner)] = i
+    return last
+
+
+def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
+    """Run this rank's schedule. Forward (``dout`` None): returns ``(out, lse)`` of the local rows,
+    fp32 accumulators. Backward: returns fp32 ``(dq, dk, dv)`` of the local shard."""
+    info = cfg.info
+    sched = cfg.plan.schedule(q.shape[1])
+    run = _Run(cfg, sched, q, k, v, dout, out, lse)
+    gathered = sched.transport == "allgather" and not info.single
+    if gathered:
+        kv = torch.stack([k, v])
+        kv_all = all_gather_stack(info, kv, stats=cfg.stats, name="allgather_kv")
+        if cfg.stats is not None:  # a ring all-gather passes one shard to the next rank per step
+            cfg.stats.note_step({info.peer(1): nbytes(kv)})
+        for j in range(info.size):
+            if j != info.rank:
+                run.held[("kv", (j - info.rank) % info.size)] = _Held(0, {"k": kv_all[j][0], "v": kv_all[j][1]})
+    last = _last_use(sched)
+    for i, step in enumerate(sched.steps):
+        posted = run.post(step.moves)
+        for task in step.tasks:
+            run.compute(task)
+        for pending, arrivals in posted:
+            pending.wait()
+            for m, bufs in arrivals:
+                run.arrived(m, bufs)
+        for key in [key for key in run.held if key[1] != 0 and last.get(key, -1) <= i]:
+            del run.held[key]
+    if not run.bwd:
+        return run.mine["out"]
+    if gathered:  # every member's dK,dV partials, summed onto their owners
+        full = torch.zeros((info.size, 2, *run.shape_kv), dtype=run.acc, device=q.device)
+        for j in range(info.size):
+            off = (j - info.rank) % info.size
+            acc = (full[j][0], full[j][1])
+            parts = run.partials.pop(("dkv", off), []) + ([(slice(None), run.mine["dkv"])] if off == 0 else [])
+            for r, p in parts:
+                run._fold(acc, "dkv", r, p)
+        dkv = reduce_scatter_stack(info, full, stats=cfg.stats, name="reduce_scatter_dkv")
+        return run.mine["out"][0], dkv[0], dkv[1]
+    return run.mine["out"][0], run.mine["dkv"][0], run.mine["dkv"][1]
+
+
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: RingConfig):
-    """Local Q ``[B, T, Hq, D]`` against every rank's K,V ``[B, T, Hkv, D]``.
+    """Local Q ``[B, T, Hq, D]`` against every rank's K,V ``[B, T, Hkv, D]`` as ``cfg.plan`` says.
 
     Returns ``(out, lse)``: out ``[B, T, Hq, D]`` in fp32 (float64 for float64 input), lse
     ``[B, Hq, T]`` fp32.
     """
-    info, plan = cfg.info, cfg.plan
-    acc_out, acc_lse = new_accumulator(q.shape, q.device, dtype=_acc_dtype(q))
-    kv = torch.stack([k, v])
-    gathered = None
-    if plan.transport == "allgather" and not info.single:
-        gathered = all_gather_stack(info, kv, stats=cfg.stats, name="allgather_kv")
-    cur = kv
-    for s, blocks in enumerate(plan.steps):
-        pending = None
-        if gathered is not None:
-            cur = gathered[(info.rank - s) % info.size]
-        elif s + 1 < plan.n:
-            pending = ring_shift(info, cur, stats=cfg.stats, name="ring_kv")
-        for b in blocks:
-            o, lse = block_forward(q[:, b.q], cur[0][:, b.kv], cur[1][:, b.kv],
-                                   scale=cfg.scale, mask=b.mask, backend=cfg.backend)
-            merge_(acc_out[:, b.q], acc_lse[:, :, b.q], o, lse)
-        if pending is not None:
-            cur = pending.wait()[0]
-    return acc_out, acc_lse
+    return execute(cfg, q, k, v)
 
 
 def ring_backward(dout, q, k, v, out, lse, cfg: RingConfig):
@@ -73,56 +341,30 @@ def ring_backward(dout, q, k, v, out, lse, cfg: RingConfig):
 
     Returns fp32 (float64 for float64 input) ``dq [B, T, Hq, D]``, ``dk``, ``dv [B, T, Hkv, D]``.
     """
-    info, plan = cfg.info, cfg.plan
-    acc = _acc_dtype(q)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack([k, v])
-    gathered = dkv_all = None
-    if plan.transport == "allgather" and not info.single:
-        gathered = all_gather_stack(info, kv, stats=cfg.stats, name="allgather_kv")
-        dkv_all = torch.zeros(gathered.shape, dtype=acc, device=q.device)
-    wire = cfg.grad_comm_dtype or acc
-    cur, incoming, outgoing = kv, None, None
-    for s, blocks in enumerate(plan.steps):
-        pending_kv = None
-        if gathered is not None:
-            src = (info.rank - s) % info.size
-            cur, dkv = gathered[src], dkv_all[src]
-        else:
-            if s + 1 < plan.n:
-                pending_kv = ring_shift(info, cur, stats=cfg.stats, name="ring_kv")
-            dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-        for b in blocks:
-            gq, gk, gv = block_backward(dout[:, b.q], q[:, b.q], cur[0][:, b.kv], cur[1][:, b.kv],
-                                        out[:, b.q], lse[:, :, b.q], scale=cfg.scale, mask=b.mask,
-                                        backend=cfg.backend)
-            dq[:, b.q] += gq
-            dkv[0][:, b.kv] += gk
-            dkv[1][:, b.kv] += gv
-        if gathered is None:
-            if incoming is not None:  # partial sums of this shard from the ranks before us
-                dkv += incoming.wait()[0].to(acc)
-            outgoing = dkv.to(wire) if info.size > 1 else dkv
-            if info.size > 1:
-                incoming = ring_shift(info, outgoing, stats=cfg.stats, name="ring_dkv")
-        if pending_kv is not None:
-            cur = pending_kv.wait()[0]
-    if gathered is not None:
-        dkv = reduce_scatter_stack(info, dkv_all, stats=cfg.stats, name="reduce_scatter_dkv")
-    elif info.size > 1:
-        dkv = incoming.wait()[0].to(acc)  # our own shard, home after N hops
-    return dq, dkv[0], dkv[1]
+    return execute(cfg, q, k, v, dout, out, lse)
 
 
 class RingAttention(torch.autograd.Function):
-    """Saves what backward needs and restores it; the work is in ring_forward / ring_backward."""
+    """Saves what backward needs and restores it; the work is in ring_forward / ring_backward.
+
+    Inside :func:`seqpar.checkpoint`, the first forward records ``(out, lse)`` and the
+    recomputation before backward replays them: the attention forward and its communication run
+    once per step.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, cfg: RingConfig):
-        if cfg.stats is not None:
-            cfg.stats.phase = "fwd"
-        out, lse = ring_forward(q, k, v, cfg)
-        out = out.to(q.dtype)
+        tape = active_tape()
+        if tape is not None and tape.replaying:
+            out, lse = tape.replay(q)
+            out = out.detach()
+        else:
+            if cfg.stats is not None:
+                cfg.stats.phase = "fwd"
+            out, lse = ring_forward(q, k, v, cfg)
+            out = out.to(q.dtype)
+            if tape is not None:
+                tape.record(out.detach(), lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = cfg
         return out

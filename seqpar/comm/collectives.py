@@ -62,13 +62,14 @@ def all_to_all(info: GroupInfo, x: torch.Tensor, *, input_splits: list[int] | No
     else:
         out = torch.empty((sum(output_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_to_all_single(out, x, output_splits, input_splits, group=info.group)
-    if stats is not None:
+    if stats is not None:  # per peer, so busiest-link figures see it; the one exchange is one step
         row = nbytes(x[:1]) if x.shape[0] else 0
-        if input_splits is None:
-            sent = x.shape[0] - x.shape[0] // info.size
-        else:
-            sent = sum(input_splits) - input_splits[info.rank]
-        stats.add(name, sent * row)
+        splits = input_splits or [x.shape[0] // info.size] * info.size
+        per_peer = {info.global_ranks[m]: splits[m] * row for m in range(info.size) if m != info.rank}
+        for peer, n in per_peer.items():
+            stats.add(name, n, peer=peer)
+        if hasattr(stats, "note_step"):
+            stats.note_step(per_peer)
     return out
 
 

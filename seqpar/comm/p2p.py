@@ -43,21 +43,23 @@ def exchange(
 
     Offsets are relative to this rank on the group's ring (+1 = next, -1 = previous, any other value
     for direct links). Sending to oneself is not allowed (gloo refuses it); the caller skips it.
+    An entry may carry a third element, a message tag (default 0): messages between two ranks are
+    matched per tag, so streams with different tags never pair up with each other.
     """
     if info.single or (not sends and not recvs):
-        return Pending([], [buf for buf, _ in recvs])
+        return Pending([], [entry[0] for entry in recvs])
     ops = []
-    for t, off in sends:
+    for t, off, *tag in sends:
         peer = info.peer(off)
         if not t.is_contiguous():
             raise ValueError("exchange: tensors must be contiguous (internal error)")
-        ops.append(dist.P2POp(dist.isend, t, peer, info.group))
+        ops.append(dist.P2POp(dist.isend, t, peer, info.group, tag[0] if tag else 0))
         if stats is not None:
             stats.add(name, nbytes(t), peer=peer)
-    for buf, off in recvs:
-        ops.append(dist.P2POp(dist.irecv, buf, info.peer(off), info.group))
+    for buf, off, *tag in recvs:
+        ops.append(dist.P2POp(dist.irecv, buf, info.peer(off), info.group, tag[0] if tag else 0))
     works = dist.batch_isend_irecv(ops)
-    return Pending(list(works), [buf for buf, _ in recvs])
+    return Pending(list(works), [entry[0] for entry in recvs])
 
 
 def ring_shift(

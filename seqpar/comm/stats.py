@@ -27,6 +27,8 @@ class CommStats:
     calls: dict = field(default_factory=lambda: defaultdict(int))
     peer_bytes: dict = field(default_factory=lambda: defaultdict(int))
     phase: str = "fwd"
+    # step_link[phase]: the most bytes sent to one peer within one step of a step loop (note_step)
+    step_link: dict = field(default_factory=lambda: defaultdict(int))
 
     def add(self, primitive: str, nbytes: int, peer: int | None = None) -> None:
         self.sent[(self.phase, primitive)] += int(nbytes)
@@ -53,10 +55,22 @@ class CommStats:
                 per_peer[peer] += n
         return max(per_peer.values(), default=0)
 
+    def note_step(self, per_peer: dict) -> None:
+        """Record the bytes one step sent to each peer (``{global rank: bytes}``), so that
+        :meth:`busiest_link_per_step` can report the largest. Called by step loops; the bytes
+        themselves are counted by the primitives as usual."""
+        if per_peer:
+            self.step_link[self.phase] = max(self.step_link[self.phase], max(per_peer.values()))
+
+    def busiest_link_per_step(self, phase: str | None = None) -> int:
+        """Most bytes this rank sent to a single peer within one step (0 if no step loop ran)."""
+        return max((n for ph, n in self.step_link.items() if phase is None or ph == phase), default=0)
+
     def reset(self) -> None:
         self.sent.clear()
         self.calls.clear()
         self.peer_bytes.clear()
+        self.step_link.clear()
 
     def as_dict(self) -> dict:
         return {f"{ph}/{prim}": n for (ph, prim), n in sorted(self.sent.items())}
