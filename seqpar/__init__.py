@@ -2,11 +2,12 @@
 
 Public API:
     METHODS, attention, shard, unshard, SequenceParallelAttention, CommStats,
-    LINEAR_METHODS, linear_attention, checkpoint, TokenRingGroups
+    LINEAR_METHODS, linear_attention, checkpoint, TokenRingGroups, packed_layout
 """
 
 from .attention import METHODS, SequenceParallelAttention, attention
 from .attention.checkpoint import checkpoint
+from .attention.packed import packed_layout
 from .attention.token_ring import TokenRingGroups
 from .comm import CommStats
 from .layout import shard, unshard
@@ -14,4 +15,5 @@ from .linear import LINEAR_METHODS, linear_attention
 
 __version__ = "0.1.0"
 __all__ = ["LINEAR_METHODS", "METHODS", "CommStats", "SequenceParallelAttention", "attention", "linear_attention", "shard", "unshard",
-           "__version__", "checkpoint", "TokenRingGroups"]
+           "__version__", "checkpoint", "TokenRingGroups",
+           "packed_layout"]

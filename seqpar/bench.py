@@ -40,6 +40,23 @@ class BenchCase:
     repeats: int = 3
     warmup: int = 1
     threads: int = 1
+    packed_seed: int | None = None  # packed batch of stdlib document lengths (``--packed``), else dense
+
+
+def stdlib_doc_lengths(total: int, seed: int = 0) -> list[int]:
+    """A packed batch of ``total`` tokens drawn from a long-tailed real length distribution available
+    offline: the byte sizes of the Python standard library's ``.py`` files / 4 (a token estimate),
+    sampled with ``seed`` until the total is reached (the last document is cut to fit)."""
+    import random
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    sizes = sorted(max(1, f.stat().st_size // 4) for f in root.rglob("*.py") if "site-packages" not in f.parts)
+    rng, lens = random.Random(seed), []
+    while sum(lens) < total:
+        lens.append(min(rng.choice(sizes), total - sum(lens)))
+    return lens
 
 
 @dataclass
@@ -68,16 +85,19 @@ def _inputs(case: BenchCase, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
     B, T, H, Hk, D = case.batch, case.seq_len, case.heads, case.kv_heads, case.head_dim
+    if case.packed_seed is not None:
+        B = 1  # one packed stream
     shapes = [(B, T, H, D), (B, T, Hk, D), (B, T, Hk, D), (B, T, H, D)]
     return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
 
 
-def _time_once(method, causal, q, k, v, dout, group, stats=None, comm=None):
+def _time_once(method, causal, q, k, v, dout, group, stats=None, comm=None, cu_seqlens=None):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     if group is not None:
         dist.barrier(group)
     t0 = time.perf_counter()
-    out = seqpar.attention(q, k, v, method=method, causal=causal, group=comm or group, stats=stats)
+    out = seqpar.attention(q, k, v, method=method, causal=causal, group=comm or group, stats=stats,
+                           cu_seqlens=cu_seqlens)
     t1 = time.perf_counter()
     out.backward(dout)
     t2 = time.perf_counter()
@@ -106,7 +126,16 @@ def run_case_on_rank(case: BenchCase) -> dict:
             raise ValueError(f"world_size: the case asks for {case.world_size} ranks but {n} are running")
         method_spec(case.method, softmax_only=True)
         q, k, v, dout = _inputs(case)
-        local = [seqpar.shard(t, method=case.method, group=group) for t in (q, k, v, dout)]
+        pl = pl1 = None
+        if case.packed_seed is not None:  # one packed stream; geometry built once, reused by every repeat
+            lens = stdlib_doc_lengths(case.seq_len, case.packed_seed)
+            cu = [0] + [sum(lens[:i + 1]) for i in range(len(lens))]
+            pl = seqpar.packed_layout(cu, method=case.method, group=group)
+            if case.method not in ("usp",):
+                w = [pl.work(r, case.causal) for r in range(pl.n)] if pl.n > 1 else [1]
+                row.extra.update(docs=len(lens), max_doc=max(lens), balance=max(w) * len(w) / sum(w),
+                                 padding=pl.num_padding / pl.total_tokens)
+        local = [seqpar.shard(t, method=case.method, group=group, cu_seqlens=pl) for t in (q, k, v, dout)]
         stats = seqpar.CommStats()
         fwd, bwd = [], []
         out = None
@@ -114,7 +143,7 @@ def run_case_on_rank(case: BenchCase) -> dict:
         comm = seqpar.TokenRingGroups(group) if group is not None and case.method in _TWO_WAY else None
         for i in range(case.warmup + case.repeats):
             s = stats if i == 0 else None
-            out, tf, tb = _time_once(case.method, case.causal, *local, group, stats=s, comm=comm)
+            out, tf, tb = _time_once(case.method, case.causal, *local, group, stats=s, comm=comm, cu_seqlens=pl)
             if i >= case.warmup:
                 fwd.append(_max_over_ranks(tf, group))
                 bwd.append(_max_over_ranks(tb, group))
@@ -124,7 +153,7 @@ def run_case_on_rank(case: BenchCase) -> dict:
         row.bytes_fwd, row.bytes_bwd = stats.total("fwd"), stats.total("bwd")
         row.busiest_link = stats.busiest_link("fwd")
         row.busiest_link_step = stats.busiest_link_per_step("fwd")
-        full = seqpar.unshard(out, method=case.method, group=group)
+        full = seqpar.unshard(out, method=case.method, group=group, cu_seqlens=pl)
         # single-rank baseline with the same threads: the same method on a group of one rank
         solo = None
         if dist.is_initialized():
@@ -132,12 +161,18 @@ def run_case_on_rank(case: BenchCase) -> dict:
         if not dist.is_initialized() or dist.get_rank() == 0:
             f1, b1 = [], []
             out1 = None
+            if pl is not None:  # the same packed batch on one rank (its own, one-rank layout)
+                pl1 = seqpar.packed_layout(pl.cu_seqlens, method=case.method, group=solo)
+            one = [q, k, v, dout] if pl1 is None else [seqpar.shard(t, method=case.method, cu_seqlens=pl1,
+                                                                    group=solo) for t in (q, k, v, dout)]
             for i in range(case.warmup + case.repeats):
-                out1, tf, tb = _time_once(case.method, case.causal, q, k, v, dout, solo)
+                out1, tf, tb = _time_once(case.method, case.causal, *one, solo, cu_seqlens=pl1)
                 if i >= case.warmup:
                     f1.append(tf)
                     b1.append(tb)
             row.fwd_ms_1, row.bwd_ms_1 = statistics.median(f1), statistics.median(b1)
+            if pl1 is not None:
+                out1 = seqpar.unshard(out1, method=case.method, cu_seqlens=pl1, group=solo)
             row.max_error = float((full.double() - out1.double()).abs().max() / out1.double().abs().max())
             row.efficiency = (row.fwd_ms_1 + row.bwd_ms_1) / (n * (row.fwd_ms + row.bwd_ms))
     except Exception as exc:  # a failing row is reported, the others go on
@@ -194,8 +229,17 @@ def print_table(rows: list[dict], title: str = "seqpar bench") -> None:
     cols = [("method", "method"), ("N", "world_size"), ("T", "seq_len"), ("causal", "causal"),
             ("fwd ms", "fwd_ms"), ("bwd ms", "bwd_ms"), ("1-rank ms", None), ("efficiency", "efficiency"),
             ("MB sent/rank", None), ("link/step KB", None), ("max err", "max_error"), ("error", "error")]
+    if any("balance" in r.get("extra", {}) for r in rows):  # --packed: docs and max/mean work per rank
+        cols[3:3] = [("docs", None), ("pad %", None), ("max/mean work", None)]
 
     def cell(r, key, label):
+        x = r.get("extra", {})
+        if label == "docs":
+            return f"{x['docs']} (max {x['max_doc']})" if "docs" in x else "-"
+        if label == "pad %":
+            return f"{100 * x['padding']:.2f}" if "padding" in x else "-"
+        if label == "max/mean work":
+            return f"{x['balance']:.3f}" if "balance" in x else "-"
         if label == "1-rank ms":
             return f"{r['fwd_ms_1'] + r['bwd_ms_1']:.1f}"
         if label == "MB sent/rank":

@@ -40,6 +40,10 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--linear", action="store_true", help="benchmark the linear-attention methods (zeco, lasp2, "
                    "lasp1) instead, with --heads H and --head-dim K=V")
+    p.add_argument("--packed", action="store_true", help="one packed batch per --seq-lens total (e.g. 64k) of "
+                   "documents with the Python stdlib's .py file sizes / 4 as lengths (long-tailed, offline); "
+                   "reports max/mean work per rank")
+    p.add_argument("--seed", type=int, default=0, help="--packed: seed of the document sampling")
     args = p.parse_args(argv)
 
     import os
@@ -58,12 +62,13 @@ def bench_main(argv: list[str]) -> int:
     causal = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
     cases = [BenchCase(method=m, seq_len=t, world_size=n, causal=c, batch=args.batch, heads=args.heads,
                        kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim, dtype=args.dtype,
-                       repeats=args.repeats, warmup=args.warmup, threads=args.threads)
+                       repeats=args.repeats, warmup=args.warmup, threads=args.threads,
+                       packed_seed=args.seed if args.packed else None)
              for n in sizes for t in _int_list(args.seq_lens) for c in causal for m in methods]
     rows = run_cases(cases, progress=not args.no_progress)
     rank0 = os.environ.get("RANK", "0") == "0"
     if rank0:
-        print_table(rows)
+        print_table(rows, title="seqpar bench --packed" if args.packed else "seqpar bench")
         if args.json:
             write_json(rows, args.json)
             print(f"wrote {args.json}")
@@ -96,7 +101,13 @@ def plan_main(argv: list[str]) -> int:
     return run(argv)
 
 
-COMMANDS = {"bench": bench_main, "plan": plan_main}
+def train_main(argv: list[str]) -> int:
+    from seqpar.integrations.trainer import main as run
+
+    return run(argv)
+
+
+COMMANDS = {"bench": bench_main, "plan": plan_main, "train": train_main}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: seqpar {" + ",".join(COMMANDS) + "} [options]\n"
               "  bench      time every method against the ideal (default: 4 local CPU ranks)\n"
               "  plan       plan SP groups for a batch of sequence lengths (adaptive scheduler)\n"
+              "  train      train a transformers Llama with --context-parallel N on packed text\n"
               "run 'seqpar COMMAND --help' for the options of a command")
         return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
     return COMMANDS[argv[0]](argv[1:]) or 0

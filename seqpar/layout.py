@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .comm import CommStats, all_gather_stack, group_info
+from .packing import shard_packed, unshard_packed
 
 LAYOUT_MULTIPLE = {"contiguous": 1, "zigzag": 2, "striped": 1}
 
@@ -46,12 +47,16 @@ def check_global_length(T: int, n: int, layout: str, *, method: str, argument: s
         )
 
 
-def _packed_not_yet(cu_seqlens) -> None:
-    if cu_seqlens is not None:
+def _packed_method(method: str) -> None:
+    """Packed input is sharded per document for the softmax methods only."""
+    from .attention.registry import METHODS, method_spec  # local import: the registry imports this module
+
+    method_spec(method, argument="method")
+    if method not in METHODS:
         raise NotImplementedError(
-            "cu_seqlens: packed variable-length input is not supported yet by this version of seqpar; "
-            "pass a dense sequence whose length is a multiple of the method's layout (see seqpar.layout)"
-        )
+            f"cu_seqlens: method={method!r} is a linear method: its packed batches are sharded densely "
+            "(contiguous, no padding); call seqpar.shard without cu_seqlens and pass cu_seqlens to the "
+            "linear attention call")
 
 
 def token_indices(T: int, n: int, rank: int, layout: str, device=None) -> torch.Tensor:
@@ -87,12 +92,26 @@ def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int 
         method: a softmax method of ``seqpar.METHODS`` or a linear method (contiguous shards).
         dim: the token dimension of ``x``.
         ulysses_degree, ring_method: ``method="usp"`` only, as given to ``seqpar.attention``.
+        cu_seqlens: packed input (softmax methods): ``x`` is ``[1, T_total, ...]`` along ``dim``,
+            ``cu_seqlens`` its global document offsets (int32, or a ``seqpar.packed_layout``).
+            Every document is split in the method's layout and padded inside the library; the
+            result is this rank's padded local stream (padding rows zero), the same length on
+            every rank. Validated (ValueError) before anything else.
     Returns:
         ``x`` restricted to this rank's tokens along ``dim``: ``T_local = T_global / N`` tokens.
         Purely local: no communication.
     """
-    _packed_not_yet(cu_seqlens)
     usp = _usp_module(method, ulysses_degree, ring_method)
+    if cu_seqlens is not None:
+        _packed_method(method)
+        if usp is not None:
+            return usp.shard_usp_packed(x, cu_seqlens, group=group, dim=dim % x.dim(),
+                                        ulysses_degree=ulysses_degree, ring_method=ring_method)
+        from .attention.packed import resolve_layout
+
+        info = group_info(group)
+        pl = resolve_layout(cu_seqlens, layout_of(method), info.size, 1, x.shape[dim % x.dim()])
+        return shard_packed(x, None, group, pl, dim)
     if usp is not None:
         return usp.shard_usp(x, group=group, dim=dim % x.dim(), ulysses_degree=ulysses_degree,
                              ring_method=ring_method)
@@ -114,8 +133,17 @@ def unshard(x_local: torch.Tensor, *, group=None, method: str = "zigzag_ring", d
     Inverse of :func:`shard`: ``unshard(shard(x)) == x`` exactly. ``x_local`` must have the same
     shape on every rank. This is a collective over ``group``.
     """
-    _packed_not_yet(cu_seqlens)
     usp = _usp_module(method, ulysses_degree, ring_method)
+    if cu_seqlens is not None:
+        _packed_method(method)
+        if usp is not None:
+            return usp.unshard_usp_packed(x_local, cu_seqlens, group=group, dim=dim % x_local.dim(),
+                                          ulysses_degree=ulysses_degree, ring_method=ring_method, stats=stats)
+        from .attention.packed import resolve_layout
+
+        info = group_info(group)
+        pl = resolve_layout(cu_seqlens, layout_of(method), info.size, 1, None)
+        return unshard_packed(x_local, None, group, pl, dim, stats=stats)
     if usp is not None:
         return usp.unshard_usp(x_local, group=group, dim=dim % x_local.dim(), ulysses_degree=ulysses_degree,
                                ring_method=ring_method, stats=stats)

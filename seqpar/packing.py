@@ -118,7 +118,8 @@ class PackedLayout:
 
     - ``cu_seqlens``: global real offsets ``[n_docs + 1]`` (T_total = ``cu_seqlens[-1]``);
     - ``chunk_lens[d]``: padded length of one chunk of document d (zigzag ``L_pad / 2N``,
-      else ``L_pad / N``); ``piece_lens[d]``: its local piece (2 chunks for zigzag);
+      else ``L_pad / N``; ``align > 1`` pads the last document further so that ``t_local`` is a
+      multiple of ``align``); ``piece_lens[d]``: its local piece (2 chunks for zigzag);
     - ``local_cu_seqlens``: offsets of the pieces in the padded local stream, the same on
       every rank; ``t_local`` = its last entry (padded local length, every rank);
     - ``chunk_real[r][d]``: real tokens in each chunk of rank r's piece of document d (a
@@ -130,6 +131,7 @@ class PackedLayout:
     kind: str
     n: int
     doc_lens: tuple[int, ...]
+    align: int = 1
     cu_seqlens: tuple[int, ...] = dataclasses.field(init=False)
     chunk_lens: tuple[int, ...] = dataclasses.field(init=False)
     piece_lens: tuple[int, ...] = dataclasses.field(init=False)
@@ -147,12 +149,20 @@ class PackedLayout:
             raise ValueError(f"n={self.n!r}: the number of ranks must be an int >= 1")
         if not self.doc_lens or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.doc_lens):
             raise ValueError(f"doc_lens={self.doc_lens!r}: need at least one document, every length an int >= 1")
+        if isinstance(self.align, bool) or not isinstance(self.align, int) or self.align < 1:
+            raise ValueError(f"align={self.align!r}: expected an int >= 1")
         n, two = self.n, 2 if self.kind == "zigzag" else 1
-        cu, chunk_lens, local_cu = [0], [], [0]
+        cu, chunk_lens = [0], []
         for L in self.doc_lens:
             cu.append(cu[-1] + L)
             chunk_lens.append(-(-L // (two * n)))
-            local_cu.append(local_cu[-1] + two * chunk_lens[-1])
+        # align: pad the LAST document's chunks a little more so that t_local is a multiple of align
+        # (USP cuts the local stream into `align` equal pieces); at most `align` steps.
+        while (two * sum(chunk_lens)) % self.align:
+            chunk_lens[-1] += 1
+        local_cu = [0]
+        for h in chunk_lens:
+            local_cu.append(local_cu[-1] + two * h)
         chunk_real, real_lens, indices = [], [], []
         for r in range(n):
             per_doc, idx = [], []
@@ -183,10 +193,10 @@ class PackedLayout:
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens, n: int, kind: str, *, total_tokens: int | None = None,
-                        argument: str = "cu_seqlens") -> "PackedLayout":
+                        argument: str = "cu_seqlens", align: int = 1) -> "PackedLayout":
         """Validate ``cu_seqlens`` (:func:`check_cu_seqlens`) and build the layout."""
         cu = check_cu_seqlens(cu_seqlens, total_tokens, argument=argument)
-        return cls(kind, n, tuple(b - a for a, b in zip(cu, cu[1:])))
+        return cls(kind, n, tuple(b - a for a, b in zip(cu, cu[1:])), align)
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton has no CPU backend: its kernels are tested under the interpreter. The variable must be set
+# before anything imports triton (transformers may, while other test modules are collected), or
+# triton initialises in compiled mode and the interpreter tests fail with mixed state.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 try:  # a plain `pytest` (not `python -m pytest`) from an uninstalled checkout
     import seqpar  # noqa: F401
 except ImportError:

@@ -54,10 +54,20 @@ def test_bad_input_single_device(name, make, match):
         seqpar.attention(q, k, v, **kw)
 
 
-def test_packed_not_yet():
-    q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        seqpar.attention(q, k, v, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+def test_packed_single_device():
+    """cu_seqlens on one device: per-document attention of the packed stream; bad offsets raise."""
+    from seqpar.attention.reference import reference_attention
+
+    q, k, v = (t[:1] for t in _qkv())
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    local = [seqpar.shard(t, cu_seqlens=cu) for t in (q, k, v)]  # zigzag pads documents to even lengths
+    assert local[0].shape[1] == 10
+    out = seqpar.unshard(seqpar.attention(*local, causal=True, cu_seqlens=cu), cu_seqlens=cu)
+    assert torch.allclose(out, reference_attention(q, k, v, causal=True, cu_seqlens=cu), atol=1e-5)
+    with pytest.raises(ValueError, match="q has shape"):  # the unpadded stream is not a local shard
+        seqpar.attention(q, k, v, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        seqpar.attention(*local, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32))
 
 
 def _bad_on_ranks(kind):

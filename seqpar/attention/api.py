@@ -9,8 +9,10 @@ import torch
 
 from ..comm import CommStats, GroupInfo, group_info
 from ..kernels import check_qkv, select_backend, available_backends
+from ..packing import PackedLayout, check_cu_seqlens, check_same_on_ranks
 from .registry import MethodSpec, method_spec
 from .ring import RingAttention, RingConfig
+from .packed import layout_geometry, packed_schedule, resolve_layout
 from .token_ring import TokenRingGroups
 from .ulysses import run_ulysses
 from .usp import check_usp_options, run_usp
@@ -26,11 +28,6 @@ def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, gr
     if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0
                                       or not math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale: expected a positive finite number or None, got {softmax_scale!r}")
-    if cu_seqlens is not None:
-        raise NotImplementedError(
-            "cu_seqlens: packed variable-length input is not supported yet by this version of seqpar; "
-            "pass dense shards whose global length is a multiple of the method's layout (seqpar.layout)"
-        )
     if grad_comm_dtype not in _GRAD_COMM:
         raise ValueError(f"grad_comm_dtype: expected None, 'fp32' or 'input', got {grad_comm_dtype!r}")
     t_local = q.shape[1]
@@ -52,6 +49,35 @@ def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, gr
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             select_backend(q, k, v, mask=mask, backend=backend, for_backward=True)
     return spec
+
+
+def _check_same(host, method, group, ulysses_degree, q) -> None:
+    """The same cu_seqlens on every rank: a 3-number all-gather (skipped for a prebuilt
+    PackedLayout, and for usp given as a mesh or a pair of groups, which has no flat group)."""
+    if method == "usp":
+        from .usp import describe_usp
+
+        flat = describe_usp(group, ulysses_degree).flat
+        if flat is None or flat.single:
+            return
+        group = flat.group
+    device = q.device if q.is_cuda else None  # NCCL groups need CUDA tensors
+    check_same_on_ranks(host, group, device=device)
+
+
+def _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method):
+    """The PackedLayout of a packed call, validated against the local tensors (no communication)."""
+    kind, n, align = layout_geometry(method, group, ulysses_degree, ring_method)
+    pl = resolve_layout(cu_seqlens, kind, n, align, None)
+    t_local = pl.t_local // align  # usp: a ring member's stream is cut into U pieces
+    for name, x in (("q", q), ("k", k)):
+        if x.shape[0] != 1 or x.shape[1] != t_local:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}: with cu_seqlens a rank holds one packed stream "
+                f"[1, {t_local}, H, D] (this batch's padded local length for method={method!r}); "
+                f"shard the global [1, {pl.total_tokens}, H, D] with seqpar.shard(x, method={method!r}, "
+                "cu_seqlens=cu_seqlens) and pass the same cu_seqlens here")
+    return pl
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, method: str = "zigzag_ring",
@@ -77,7 +103,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         method: one of ``seqpar.METHODS``.
         causal: causal mask in *global* token order (query i sees keys j <= i).
         softmax_scale: defaults to ``D ** -0.5``.
-        cu_seqlens: packed variable-length input (not supported yet: raises NotImplementedError).
+        cu_seqlens: packed variable-length input: global document offsets (int32, flash-attn
+            convention, the same on every rank) of the packed stream, or a ``seqpar.packed_layout``
+            built once for the batch (reused by every layer). Then q is ``[1, T_pad_local, Hq, D]``,
+            the output of ``seqpar.shard(x, method=method, cu_seqlens=cu_seqlens)``; documents never
+            attend across a boundary; padding rows get out 0 and no gradient.
         backend: force a block kernel (``seqpar.kernels.available_backends()``); default: the best
             that fits, chosen per block.
         stats: a ``seqpar.comm.CommStats`` that receives the bytes this rank sends (fwd and bwd).
@@ -98,6 +128,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         group, channels = group.group, group.channels
     # usp takes a 2-D mesh, a pair of groups or USPGroups as group: its runner resolves them
     info = None if method == "usp" else group_info(group)
+    packed = None
+    if cu_seqlens is not None:
+        # offsets checked locally, then (unless prebuilt) the same on every rank, then the local
+        # tensors against them: every rank that reaches a ValueError reaches the same one
+        method_spec(method, argument="method", softmax_only=True)
+        check_qkv(q, k, v)
+        if not isinstance(cu_seqlens, PackedLayout):
+            host = check_cu_seqlens(cu_seqlens, None)
+            _check_same(host, method, group, ulysses_degree, q)
+            cu_seqlens = host
+        packed = _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method)
     spec = _validate(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                      backend=backend, grad_comm_dtype=grad_comm_dtype, info=info)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
@@ -106,7 +147,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         wire = k.dtype
     call = CallSpec(info=info, spec=spec, causal=causal, scale=scale, backend=backend, grad_comm_dtype=wire,
                     stats=stats, group=group, ulysses_degree=ulysses_degree, ring_method=ring_method,
-                    channels=channels)
+                    channels=channels, packed=packed)
     return FAMILIES[spec.family](q.contiguous(), k.contiguous(), v.contiguous(), call)
 
 
@@ -125,10 +166,14 @@ class CallSpec:
     ulysses_degree: int | None = None
     ring_method: str | None = None
     channels: tuple | None = None  # extra communicators of a TokenRingGroups (one per traffic direction)
+    packed: PackedLayout | None = None  # packed input: geometry built once (schedules cached on it)
 
 
 def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
-    plan = call.spec.plan(call.info.rank, call.info.size, q.shape[1], call.causal, call.spec.transport)
+    if call.packed is not None:
+        plan = packed_schedule(call.spec, call.packed, call.info.rank, call.causal)
+    else:
+        plan = call.spec.plan(call.info.rank, call.info.size, q.shape[1], call.causal, call.spec.transport)
     cfg = RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels)
     return RingAttention.apply(q, k, v, cfg)

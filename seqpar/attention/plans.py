@@ -43,11 +43,16 @@ PAYLOADS = OPERANDS + RESULTS
 class Block:
     """One block computation: query rows ``q`` against K,V rows ``kv`` (each in its owner's local
     order). ``mask`` is a block mask of :mod:`seqpar.kernels` (``none``, ``causal``,
-    ``causal_strict``), aligned top-left on the two slices."""
+    ``causal_strict``), aligned top-left on the two slices.
+
+    ``segments``: packed variable-length input (:mod:`seqpar.packing`): the block is a
+    :class:`~seqpar.kernels.varlen.VarlenSegments` over the two slices (document by document,
+    padding never covered) and ``mask`` is unused; the executor calls the varlen kernels."""
 
     q: slice
     kv: slice
     mask: str
+    segments: object = None  # VarlenSegments | None (typed loosely: plans import no kernels)
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ class Schedule:
 
 
 def _block_work(b: Block, t_local: int) -> float:
+    if b.segments is not None:
+        return float(b.segments.pairs)
     rows = len(range(t_local)[b.q])
     cols = len(range(t_local)[b.kv])
     return rows * cols * (0.5 if b.mask != "none" else 1.0)

@@ -30,6 +30,7 @@ import torch
 
 from ..comm import CommStats, GroupInfo, all_gather_stack, exchange, nbytes, reduce_scatter_stack
 from ..kernels import block_backward, block_forward, merge_, new_accumulator
+from ..kernels.varlen import varlen_backward, varlen_forward
 from .checkpoint import active_tape
 from .plans import OPERANDS, PAYLOADS, Move, RingPlan, Schedule, Task
 
@@ -258,6 +259,9 @@ class _Run:
         qp, cfg = qh.parts, self.cfg
         for b in task.blocks:
             qr, kr = qh.local(b.q), kvh.local(b.kv)
+            if b.segments is not None:
+                self._compute_packed(task, b, qp, qr, k[:, kr], v[:, kr])
+                continue
             if not self.bwd:
                 o, lse = block_forward(qp["q"][:, qr], k[:, kr], v[:, kr], scale=cfg.scale, mask=b.mask,
                                        backend=cfg.backend)
@@ -272,6 +276,36 @@ class _Run:
                                         qp["lse"][:, :, qr], scale=cfg.scale, mask=b.mask, backend=cfg.backend,
                                         delta=delta)
             self.add("out", task.q, b.q, (gq,))
+            self.add("dkv", task.kv, b.kv, (gk, gv))
+
+
+    def _compute_packed(self, task: Task, b, qp: dict, qr: slice, k, v) -> None:
+        """A packed block: the varlen kernels accumulate in place into this rank's fp32
+        accumulators (own rows / own K,V) or into fresh fp32 partials for other members."""
+        cfg, segs = self.cfg, b.segments
+        if not self.bwd:
+            acc = self._rows(self.mine["out"], "out", b.q) if task.q == 0 else \
+                new_accumulator(qp["q"][:, qr].shape, self.device, dtype=self.acc)
+            varlen_forward(qp["q"][:, qr], k, v, segs, scale=cfg.scale, backend=cfg.backend, acc=acc)
+            if task.q != 0:
+                self.add("out", task.q, b.q, acc)  # cast to the input dtype when sent
+            return
+        delta = None
+        if task.q != 0:  # a foreign bundle: delta travelled instead of out
+            if "out" not in qp:
+                qp["out"] = _surrogate_out(qp["dout"], qp["delta"])
+            delta = qp["delta"][:, :, qr]
+        gq = self.mine["out"][0][:, b.q] if task.q == 0 else \
+            torch.zeros(qp["q"][:, qr].shape, dtype=self.acc, device=self.device)
+        if task.kv == 0:
+            gk, gv = self.mine["dkv"][0][:, b.kv], self.mine["dkv"][1][:, b.kv]
+        else:
+            gk, gv = (torch.zeros(k.shape, dtype=self.acc, device=self.device) for _ in range(2))
+        varlen_backward(qp["dout"][:, qr], qp["q"][:, qr], k, v, qp["out"][:, qr], qp["lse"][:, :, qr], segs,
+                        scale=cfg.scale, backend=cfg.backend, delta=delta, grad_acc=(gq, gk, gv))
+        if task.q != 0:
+            self.add("out", task.q, b.q, (gq,))
+        if task.kv != 0:
             self.add("dkv", task.kv, b.kv, (gk, gv))
 
 

@@ -36,6 +36,7 @@ import torch
 
 from ..comm import CommStats, GroupInfo, all_to_all
 from ..kernels import block_backward, block_forward
+from ..kernels.varlen import varlen_backward, varlen_forward
 from .ring import RingConfig, ring_backward, ring_forward
 
 
@@ -172,17 +173,29 @@ class UlyssesConfig:
     backend: str | None = None
     stats: CommStats | None = None
     ring: RingConfig | None = None
+    packed: object = None  # PackedHeads (seqpar.attention.packed) of packed plain-Ulysses input
 
 
 def _segment_forward(q, k, v, cfg: UlyssesConfig):
     if cfg.ring is not None:
         return ring_forward(q, k, v, cfg.ring)
+    if cfg.packed is not None:  # rank-major pieces -> document order, one varlen call, back
+        order, inv = cfg.packed.index(q.device)
+        out, lse = varlen_forward(*(x.index_select(1, order) for x in (q, k, v)), cfg.packed.segments,
+                                  scale=cfg.scale, backend=cfg.backend)
+        return out.index_select(1, inv), lse.index_select(2, inv)
     return block_forward(q, k, v, scale=cfg.scale, mask="causal" if cfg.causal else "none", backend=cfg.backend)
 
 
 def _segment_backward(dout, q, k, v, out, lse, cfg: UlyssesConfig):
     if cfg.ring is not None:
         return ring_backward(dout, q, k, v, out, lse, cfg.ring)
+    if cfg.packed is not None:
+        order, inv = cfg.packed.index(q.device)
+        grads = varlen_backward(*(x.index_select(1, order) for x in (dout, q, k, v, out)),
+                                lse.index_select(2, order), cfg.packed.segments, scale=cfg.scale,
+                                backend=cfg.backend)
+        return tuple(g.index_select(1, inv) for g in grads)
     return block_backward(dout, q, k, v, out, lse, scale=cfg.scale, mask="causal" if cfg.causal else "none",
                           backend=cfg.backend)
 
@@ -266,16 +279,22 @@ def check_heads(q: torch.Tensor, degree: int, *, what: str) -> None:
         )
 
 
-def ulysses_config(axis: GroupInfo, q, k, call, ring: RingConfig | None = None) -> UlyssesConfig:
+def ulysses_config(axis: GroupInfo, q, k, call, ring: RingConfig | None = None, packed=None) -> UlyssesConfig:
     """The frozen config of one call (``call`` is the API's validated ``CallSpec``)."""
     hq, hkv = q.shape[2], k.shape[2]
     q_split, kv_split = split_heads(hq, hkv, axis.size)
     return UlyssesConfig(axis=axis, q_split=q_split, kv_split=kv_split,
                          segments=gqa_segments(q_split, kv_split, hq // hkv, axis.rank), heads=(hq, hkv),
-                         causal=call.causal, scale=call.scale, backend=call.backend, stats=call.stats, ring=ring)
+                         causal=call.causal, scale=call.scale, backend=call.backend, stats=call.stats, ring=ring,
+                         packed=packed)
 
 
 def run_ulysses(q, k, v, call) -> torch.Tensor:
     """Runner of the ``ulysses`` method: the whole group is the Ulysses axis."""
     check_heads(q, call.info.size, what="the Ulysses degree (ranks in group)")
-    return UlyssesAttention.apply(q, k, v, ulysses_config(call.info, q, k, call))
+    packed = None
+    if call.packed is not None:
+        from .packed import packed_heads  # local import: packed imports the registry, which is light
+
+        packed = packed_heads(call.packed, call.causal)
+    return UlyssesAttention.apply(q, k, v, ulysses_config(call.info, q, k, call, packed=packed))

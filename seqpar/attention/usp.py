@@ -239,6 +239,45 @@ def unshard_usp(x_local: torch.Tensor, *, group, dim: int, ulysses_degree, ring_
     return out.movedim(0, dim).contiguous()
 
 
+def shard_usp_packed(x: torch.Tensor, cu_seqlens, *, group, dim: int, ulysses_degree, ring_method) -> torch.Tensor:
+    """Packed input: the ring member's padded packed stream (ring method's layout over R members,
+    padded to a multiple of U), cut into U contiguous pieces; rank (u, j) holds piece u. Local."""
+    from .packed import resolve_layout
+
+    spec = ring_method_spec(ring_method)
+    axes = describe_usp(group, ulysses_degree)
+    pl = resolve_layout(cu_seqlens, spec.layout, axes.ring_degree, axes.ulysses_degree, x.shape[dim])
+    rows, src = pl.shard_index(axes.j, x.device)
+    moved = x.movedim(dim, 0)
+    stream = moved.new_zeros((pl.t_local, *moved.shape[1:]))
+    stream.index_copy_(0, rows, moved.index_select(0, src))
+    c = pl.t_local // axes.ulysses_degree
+    return stream.narrow(0, axes.u * c, c).movedim(0, dim).contiguous()
+
+
+def unshard_usp_packed(x_local: torch.Tensor, cu_seqlens, *, group, dim: int, ulysses_degree, ring_method,
+                       stats: CommStats | None = None) -> torch.Tensor:
+    """Inverse of :func:`shard_usp_packed` (padding removed); a collective over the USP group."""
+    from .packed import resolve_layout
+
+    spec = ring_method_spec(ring_method)
+    axes = describe_usp(group, ulysses_degree)
+    pl = resolve_layout(cu_seqlens, spec.layout, axes.ring_degree, axes.ulysses_degree, None)
+    moved = x_local.movedim(dim, 0)
+    if moved.shape[0] * axes.ulysses_degree != pl.t_local:
+        raise ValueError(f"x_local has {moved.shape[0]} rows along dim {dim} but this packed batch holds "
+                         f"{pl.t_local // axes.ulysses_degree} per rank: pass the output of seqpar.shard with "
+                         "the same cu_seqlens, method='usp' and group")
+    if axes.flat is not None:  # member i = (i % U, i // U): j-major, so the rows are ring streams in order
+        gathered = all_gather_stack(axes.flat, moved, stats=stats, name="unshard_all_gather")
+    else:
+        sup = all_gather_stack(axes.ulysses, moved, stats=stats, name="unshard_all_gather")
+        gathered = all_gather_stack(axes.ring, sup.reshape(-1, *moved.shape[1:]), stats=stats,
+                                    name="unshard_all_gather")
+    flat = gathered.reshape(axes.ring_degree * pl.t_local, *moved.shape[1:])
+    return flat.index_select(0, pl.unshard_index(x_local.device)).movedim(0, dim).contiguous()
+
+
 # ----------------------------------------------------------------------------- runner
 
 
@@ -252,10 +291,15 @@ def run_usp(q, k, v, call) -> torch.Tensor:
     check_heads(q, axes.ulysses_degree, what="ulysses_degree" if call.ulysses_degree else
                 "the default ulysses_degree (gcd(N, ranks per node))")
     t_super = axes.ulysses_degree * q.shape[1]
-    if t_super % LAYOUT_MULTIPLE[spec.layout]:
+    if call.packed is not None:  # the ring member's packed stream, rebuilt by the all-to-all
+        from .packed import packed_schedule  # local import: packed imports this package's registry
+
+        plan = packed_schedule(spec, call.packed, axes.j, call.causal)
+    elif t_super % LAYOUT_MULTIPLE[spec.layout]:
         raise ValueError(f"q: ring_method={spec.name!r} needs an even super-shard (U*T_local = {t_super}); "
                          f"shard the sequence with seqpar.shard(x, method='usp', ...)")
-    plan = spec.plan(axes.j, axes.ring_degree, t_super, call.causal, spec.transport)
+    else:
+        plan = spec.plan(axes.j, axes.ring_degree, t_super, call.causal, spec.transport)
     if not axes.complete:
         warnings.warn("method='usp' builds its Ulysses and ring subgroups on this call (collective, and they "
                       "are not cached); build them once with make_usp_groups(group, ulysses_degree) and pass "

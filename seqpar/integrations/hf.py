@@ -1,0 +1,390 @@
+"""Hugging Face transformers: turn a decoder model into a context-parallel one with one call.
+
+Each rank holds the whole model and a shard of the sequence; attention is the only layer that
+needs the other ranks' tokens, so it is the only layer that changes. The change goes through
+transformers' public ``AttentionInterface`` (no patched private functions, no guessed signatures):
+
+    model = apply_context_parallel(model, group=cp_group, method="zigzag_ring")
+    batch = shard_inputs(input_ids, group=cp_group, method="zigzag_ring")        # this rank's shard
+    logits = model(**batch.model_kwargs()).logits                                 # [B, T_local, V]
+    loss = context_parallel_loss(logits, batch.labels, group=cp_group)            # global mean
+    loss.backward()                   # then all_reduce(SUM) the parameter gradients over cp_group
+
+Shapes: ``T_global`` tokens are split over the N ranks of the group, ``T_local = T_global / N``
+(plus the library's padding for packed documents). Everything token-indexed (input ids, labels,
+position ids) must be sharded with :func:`shard_inputs`, so rotary embeddings see global positions
+and no label is lost at a shard edge (labels are shifted before sharding).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import seqpar
+from seqpar.attention.registry import method_spec
+from seqpar.comm import group_info
+
+__all__ = ["IGNORE_INDEX", "ShardedInputs", "apply_context_parallel", "context_parallel_loss",
+           "packed_attention_supported", "packed_position_ids", "shard_inputs", "shift_labels"]
+
+IGNORE_INDEX = -100  # the label value transformers' and torch's cross-entropy skip
+
+# seqpar.attention keywords this integration sets itself; the others may be passed as options.
+_BOUND = {"group", "method", "causal", "softmax_scale", "cu_seqlens"}
+_PROBE_NAME = "seqpar_probe"
+_NAMES = itertools.count()  # unique registration names; holds no group or option
+
+
+def _attention_options() -> tuple[str, ...]:
+    params = inspect.signature(seqpar.attention).parameters.values()
+    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _BOUND)
+
+
+def _interface():
+    try:
+        from transformers import AttentionInterface
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("seqpar.integrations.hf needs transformers with AttentionInterface: "
+                          "pip install 'seqpar[hf]' (transformers>=5)") from exc
+    return AttentionInterface
+
+
+# ----------------------------------------------------------------------------- attention function
+
+
+def _make_attention(group, method: str, options: dict):
+    """The function registered with AttentionInterface, bound to one model's group and options."""
+
+    def seqpar_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                         is_causal=None, **kwargs):
+        """transformers calls this with q ``(B, Hq, T_local, D)``, k, v ``(B, Hkv, T_local, D)``
+        (KV heads not repeated, and not repeated here either); returns ``((B, T_local, Hq, D), None)``.
+        """
+        name = type(module).__name__
+        if attention_mask is not None:
+            raise ValueError(
+                f"attention_mask: {name} received a mask, but context-parallel attention takes none; "
+                "pass packed documents with cu_seqlens (see shard_inputs) instead of padding masks")
+        if dropout:
+            raise ValueError(f"dropout: {name} asks for attention dropout {dropout}, which seqpar does not "
+                             "implement; set the config's attention_dropout to 0")
+        for unsupported in ("sliding_window", "s_aux"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(f"{unsupported}: {name} uses {unsupported}={kwargs[unsupported]!r}, which "
+                                 "context-parallel attention does not support")
+        if query.shape[2] != key.shape[2]:
+            raise ValueError(f"{name}: {query.shape[2]} queries against {key.shape[2]} keys: a KV cache is "
+                             "not supported under context parallelism; call the model with use_cache=False")
+        causal = module.is_causal if is_causal is None else is_causal
+        cu_seqlens = kwargs.get("cu_seqlens")
+        if cu_seqlens is None and kwargs.get("cu_seq_lens_q") is not None:
+            raise ValueError("cu_seq_lens_q: transformers' local flash-attention boundaries are not used under "
+                             "context parallelism; pass the global boundaries as cu_seqlens (see shard_inputs)")
+        dtype = query.dtype
+        if torch.is_autocast_enabled(query.device.type):
+            dtype = torch.get_autocast_dtype(query.device.type)
+        # [B, H, T, D] -> seqpar's [B, T, H, D]; rotary embeddings may have promoted q, k but not v
+        q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
+        out = seqpar.attention(q, k, v, group=group, method=method, causal=bool(causal),
+                               softmax_scale=scaling, cu_seqlens=cu_seqlens, **options)
+        return out, None
+
+    return seqpar_attention
+
+
+def _probe_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                     is_causal=None, **kwargs):
+    """Records which modules dispatch through the interface (and receive forward kwargs)."""
+    seen = kwargs.get("seqpar_probe")
+    if seen is not None:
+        seen.add(id(module))
+    return query.transpose(1, 2), None  # the right shape; the values do not matter for the probe
+
+
+# ----------------------------------------------------------------------------- model conversion
+
+
+def _decoder_layers(model):
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks"):
+            return name, mod
+    raise ValueError(f"model: found no decoder layers (an nn.ModuleList named 'layers') in "
+                     f"{type(model).__name__}; apply_context_parallel supports decoder models such as Llama and Qwen2")
+
+
+def _attention_of(layer_name: str, layer) -> tuple[str, torch.nn.Module]:
+    for attr in ("self_attn", "attn", "attention", "self_attention"):
+        mod = getattr(layer, attr, None)
+        if isinstance(mod, torch.nn.Module):
+            return f"{layer_name}.{attr}", mod
+    for child_name, mod in layer.named_children():
+        if "attention" in type(mod).__name__.lower():
+            return f"{layer_name}.{child_name}", mod
+    raise ValueError(f"model: decoder layer {layer_name} ({type(layer).__name__}) has no attention submodule "
+                     "(looked for self_attn, attn, attention and *Attention* children)")
+
+
+def _set_implementation(model, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # older transformers: the config attribute is what the attention layers read
+        model.config._attn_implementation = name
+    if getattr(model.config, "_attn_implementation", None) != name:
+        raise ValueError(
+            f"model: {type(model).__name__} does not let transformers set its attention implementation "
+            f"(it stays {model.config._attn_implementation!r}): its attention does not go through "
+            "transformers' AttentionInterface, so it cannot run context-parallel attention")
+
+
+def _check_dispatch(model, attention_modules) -> None:
+    """Run a 2-token forward with a recording implementation: every decoder layer's attention must
+    call the interface and receive the forward's kwargs (that is how cu_seqlens reaches it)."""
+    _interface().register(_PROBE_NAME, _probe_attention)
+    _set_implementation(model, _PROBE_NAME)
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    seen: set[int] = set()
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False, seqpar_probe=seen)
+    except Exception as exc:
+        raise ValueError(f"model: a 2-token test forward of {type(model).__name__} failed ({type(exc).__name__}: "
+                         f"{exc}); apply_context_parallel needs a decoder model that takes input_ids") from exc
+    missing = [f"{path} ({type(mod).__name__})" for path, mod in attention_modules if id(mod) not in seen]
+    if missing:
+        raise ValueError(
+            f"model: the attention of {', '.join(missing)} does not go through transformers' AttentionInterface "
+            "(or does not pass the forward's kwargs on to it), so it would silently attend only to this rank's "
+            "tokens; use a transformers attention class there, or call seqpar.attention in that module")
+
+
+def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **options):
+    """Make every attention layer of a transformers decoder model run :func:`seqpar.attention`.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (e.g. ``LlamaForCausalLM``, ``Qwen2ForCausalLM``),
+            identical on every rank of ``group``.
+        group: ProcessGroup or 1-D DeviceMesh of the context-parallel ranks (None = the default group;
+            a single device when torch.distributed is not initialised).
+        method: a softmax method of ``seqpar.METHODS``; shard the inputs with the same method.
+        **options: passed on to every ``seqpar.attention`` call (``backend``, ``stats``,
+            ``grad_comm_dtype``).
+    Returns:
+        ``model`` itself. Its attention is registered with transformers' ``AttentionInterface``
+        under a name unique to this call, bound to ``group``, ``method`` and ``options`` (a closure:
+        nothing global holds the group), and selected with ``model.set_attn_implementation``.
+
+    The model then expects this rank's shard from :func:`shard_inputs`: q ``[B, T_local, Hq, D]``,
+    K,V with Hkv heads (GQA stays unexpanded), causal masking in global token order
+    (``module.is_causal``), ``softmax_scale`` = the module's ``scaling``, and packed documents when
+    ``cu_seqlens`` (global) is passed to the forward. Raises ``ValueError`` when a decoder layer's
+    attention does not dispatch through the interface (naming the module), for an unknown method or
+    option, and for a group of the wrong type.
+    """
+    if not hasattr(model, "config") or not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
+    method_spec(method, argument="method", softmax_only=True)
+    group_info(group)  # validates the type now, not inside the first forward
+    allowed = _attention_options()
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"options: unknown {', '.join(unknown)}; apply_context_parallel passes on "
+                         f"{', '.join(allowed)} and sets {', '.join(sorted(_BOUND))} itself")
+    layers_name, layers = _decoder_layers(model)
+    attention_modules = [_attention_of(f"{layers_name}.{i}", layer) for i, layer in enumerate(layers)]
+    previous = getattr(model.config, "_attn_implementation", None)
+    name = f"seqpar_cp{next(_NAMES)}"
+    try:
+        _check_dispatch(model, attention_modules)
+        _interface().register(name, _make_attention(group, method, dict(options)))
+        _set_implementation(model, name)
+    except Exception:
+        if previous is not None and getattr(model.config, "_attn_implementation", None) != previous:
+            _set_implementation(model, previous)
+        raise
+    return model
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _as_cu_seqlens(cu_seqlens, T: int, device) -> torch.Tensor:
+    cu = torch.as_tensor(cu_seqlens)
+    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [num_docs + 1], got shape {tuple(cu.shape)} "
+                         f"and dtype {cu.dtype}")
+    host = cu.tolist()
+    if host[0] != 0 or host[-1] != T or any(b <= a for a, b in zip(host, host[1:])):
+        raise ValueError(f"cu_seqlens: must start at 0, increase strictly (no empty document) and end at the "
+                         f"packed length {T}; got {host if len(host) <= 12 else host[:6] + ['...'] + host[-3:]}")
+    return cu.to(device=device, dtype=torch.int32)
+
+
+def shift_labels(labels: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+    """Next-token targets for ``labels`` ``[B, T]`` (global, unsharded): ``out[:, t] = labels[:, t+1]``,
+    and ``IGNORE_INDEX`` at the last token of the sequence and of every document of ``cu_seqlens``."""
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[:, :-1] = labels[:, 1:]
+    if cu_seqlens is not None:
+        ends = torch.as_tensor(cu_seqlens, device=labels.device).long()[1:] - 1
+        out[:, ends] = IGNORE_INDEX
+    return out
+
+
+def packed_position_ids(cu_seqlens, T: int, device=None) -> torch.Tensor:
+    """Positions ``[1, T]`` that restart at 0 at every document start of ``cu_seqlens``."""
+    cu = torch.as_tensor(cu_seqlens, device=device).long()
+    lengths = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lengths)
+    return (torch.arange(T, device=device) - starts).unsqueeze(0)
+
+
+@dataclass(frozen=True)
+class ShardedInputs:
+    """This rank's part of a batch, in the token layout of the method.
+
+    ``input_ids``, ``position_ids``, ``labels``: ``[B, T_local]``. ``labels`` are already shifted
+    (predict the next token), ``IGNORE_INDEX`` where there is nothing to predict or on padding.
+    ``cu_seqlens``: the global int32 document boundaries to pass to attention (None: one dense
+    sequence per batch row). ``token_index``: ``[T_local]`` global position of each local token in
+    the (packed) sequence, -1 on padding the library added.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    token_index: torch.Tensor
+
+    def model_kwargs(self) -> dict:
+        """Keyword arguments for ``model(**kwargs)``: ids, positions, cu_seqlens, ``use_cache=False``."""
+        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        if self.cu_seqlens is not None:
+            kwargs["cu_seqlens"] = self.cu_seqlens
+        return kwargs
+
+    @property
+    def num_valid(self) -> int:
+        """Labels on this rank that count in the loss."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+def shard_inputs(input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, cu_seqlens=None, group=None,
+                 method: str = "zigzag_ring") -> ShardedInputs:
+    """This rank's shard of a global batch, ready for a model converted by :func:`apply_context_parallel`.
+
+    Args:
+        input_ids: ``[B, T_global]``, identical on every rank; for packed documents ``[1, T_total]``.
+        labels: ``[B, T_global]`` in transformers' convention (aligned with ``input_ids``, -100 to
+            skip); default ``input_ids``. Shifted here, before sharding, so the target of the last
+            token of a shard (held by the next rank) is not lost.
+        position_ids: ``[T_global]`` or ``[B, T_global]`` global positions; default ``0..T-1``, or
+            restarting at 0 at every document when ``cu_seqlens`` is given.
+        cu_seqlens: global document boundaries of the packed stream (flash-attn convention); the
+            same on every rank. Documents do not attend to each other and no label crosses them.
+        group, method: as for :func:`apply_context_parallel` (use the same ones).
+    Purely local (no communication). A dense length that does not fit the method's layout raises
+    ``ValueError`` saying which length to pad to.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        raise ValueError(f"input_ids: expected an integer tensor [B, T_global], got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    B, T = input_ids.shape
+    device = input_ids.device
+    cu = None
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"input_ids: packed documents (cu_seqlens) are one stream [1, T_total], got batch {B}")
+        cu = _as_cu_seqlens(cu_seqlens, T, device)
+    if labels is None:
+        labels = input_ids
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels: shape {tuple(labels.shape)} differs from input_ids {tuple(input_ids.shape)}")
+    if position_ids is None:
+        position_ids = packed_position_ids(cu, T, device) if cu is not None else torch.arange(T, device=device)[None]
+    position_ids = torch.as_tensor(position_ids, device=device)
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    if position_ids.shape[-1] != T or position_ids.shape[0] not in (1, B):
+        raise ValueError(f"position_ids: expected [T_global] or [B, T_global] = [{B}, {T}], got "
+                         f"{tuple(position_ids.shape)}")
+    position_ids = position_ids.expand(B, T)
+    targets = shift_labels(labels, cu)
+    # Shard the token index (1-based so that padding the library adds, zero-filled, stands out),
+    # then gather every token-indexed tensor by it: one layout for ids, positions and labels.
+    index = seqpar.shard(torch.arange(1, T + 1, device=device)[None], group=group, method=method, dim=1,
+                         cu_seqlens=cu)[0] - 1
+    valid = index >= 0
+    take = index.clamp(min=0)
+    ids = torch.where(valid, input_ids[:, take], torch.zeros_like(input_ids[:, take]))
+    pos = torch.where(valid, position_ids[:, take], torch.zeros_like(position_ids[:, take]))
+    lab = torch.where(valid, targets[:, take], torch.full_like(targets[:, take], IGNORE_INDEX))
+    return ShardedInputs(input_ids=ids, position_ids=pos, labels=lab, cu_seqlens=cu,
+                         token_index=torch.where(valid, index, torch.full_like(index, -1)))
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def context_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group=None, *,
+                          num_valid: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy over all tokens of ``group``, from this rank's shard.
+
+    Args:
+        logits: ``[..., V]`` this rank's logits (e.g. ``[B, T_local, V]``); computed in fp32.
+        labels: matching ``[...]`` shifted labels from :func:`shard_inputs` (``IGNORE_INDEX`` skipped).
+        group: the ranks whose tokens form the batch (None = default group / single device).
+        num_valid: the global number of valid labels if already known (e.g. over several
+            micro-batches); otherwise it is all-reduced here.
+    Returns:
+        A scalar whose value is the global mean loss (the same on every rank) and whose gradient is
+        this rank's share: ``sum(local token losses) / global count``. Summing parameter gradients
+        over the group (``all_reduce`` SUM, not mean) gives exactly the single-device gradient.
+    """
+    info = group_info(group)
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"labels: shape {tuple(labels.shape)} does not match logits {tuple(logits.shape)[:-1]}")
+    local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    if num_valid is None:
+        count = (labels != IGNORE_INDEX).sum().to(torch.float64)
+        if not info.single:
+            dist.all_reduce(count, group=info.group)
+    else:
+        count = torch.as_tensor(num_valid, dtype=torch.float64, device=local.device)
+    count = count.clamp(min=1).to(local.device)
+    total = local.detach().to(torch.float64).clone()
+    if not info.single:
+        dist.all_reduce(total, group=info.group)
+    share = local / count.to(local.dtype)
+    return share + (total / count).to(local.dtype) - share.detach()
+
+
+# ----------------------------------------------------------------------------- capability probe
+
+
+def packed_attention_supported(method: str = "zigzag_ring") -> tuple[bool, str]:
+    """Whether this seqpar accepts packed documents (``cu_seqlens``) for ``method``: ``(ok, reason)``.
+
+    Runs a tiny single-device shard/attention/unshard with two documents, so it must be called
+    before ``torch.distributed`` is initialised (a multi-rank call would be a collective).
+    """
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("packed_attention_supported() runs a single-device probe: call it before "
+                           "torch.distributed.init_process_group")
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    x = torch.randn(1, 5, 2, 8)
+    try:
+        local = seqpar.shard(x, method=method, cu_seqlens=cu)
+        out = seqpar.attention(local, local, local, method=method, causal=True, cu_seqlens=cu)
+        seqpar.unshard(out, method=method, cu_seqlens=cu)
+    except NotImplementedError as exc:
+        return False, str(exc)
+    return True, ""

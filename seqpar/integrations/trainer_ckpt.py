@@ -1,0 +1,189 @@
+"""Checkpoints of ``seqpar train``: torch.distributed.checkpoint (DCP), atomic, resumable at any
+context-parallel degree.
+
+Layout: ``SAVE_DIR/step_00000003/`` holds the DCP files of the model and optimizer state,
+``meta.json`` (step, model config, parameter shapes, data and run settings, loss history) and,
+written last, an empty ``COMPLETE`` marker. A checkpoint is first written to
+``SAVE_DIR/.tmp-step_00000003/`` and renamed when complete, so a crash leaves no directory that
+looks finished; :func:`latest_checkpoint` and :func:`load_checkpoint` ignore or refuse anything
+without the marker.
+
+Parameters and optimizer state are replicated on every rank (context parallelism splits tokens,
+not weights), so DCP stores each tensor once and any world size or CP degree can load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch.distributed as dist
+
+COMPLETE = "COMPLETE"
+META = "meta.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+# config entries that do not change the architecture or the math
+_CONFIG_IGNORE = {"_attn_implementation", "_attn_implementation_internal", "attn_implementation", "architectures",
+                  "transformers_version", "dtype", "torch_dtype", "use_cache", "output_attentions",
+                  "output_hidden_states", "return_dict", "_name_or_path", "name_or_path", "_commit_hash"}
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _rank0() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / COMPLETE).is_file() and (Path(path) / META).is_file()
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under ``root`` (None if there is none)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return max(found)[1] if found else None
+
+
+def resolve_resume(resume: str | None, save: str | None) -> Path | None:
+    """Which checkpoint ``--resume`` means.
+
+    ``""`` (the flag alone): the latest complete checkpoint under ``--save``, None if there is none
+    yet (a fresh start, so the same command can be rerun after a crash). A path: that checkpoint,
+    or the latest complete one inside it; ValueError if there is none.
+    """
+    if resume is None:
+        return None
+    if resume == "":
+        if not save:
+            raise ValueError("--resume: without a path it resumes from the latest checkpoint under --save; pass --save")
+        return latest_checkpoint(save)
+    path = Path(resume)
+    if _STEP_DIR.match(path.name) and path.is_dir():
+        if not is_complete(path):
+            raise ValueError(f"--resume: {path} is not a complete checkpoint (no {COMPLETE} marker: the run that "
+                             f"wrote it stopped while saving); resume from an earlier one")
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise ValueError(f"--resume: no complete checkpoint (step_*/ with a {COMPLETE} marker) in {path}")
+    return found
+
+
+def model_fingerprint(model) -> dict:
+    """What must match for a checkpoint to load: the config (architecture entries) and the shapes."""
+    config = {k: v for k, v in sorted(model.config.to_dict().items()) if k not in _CONFIG_IGNORE}
+    shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+    return {"config": json.loads(json.dumps(config, default=str)), "shapes": shapes}
+
+
+def check_same_model(meta: dict, current: dict, path: Path) -> None:
+    """ValueError listing the differences when the checkpoint was saved from another model."""
+    saved = meta.get("model", {})
+    diffs = []
+    old_cfg, new_cfg = saved.get("config", {}), current["config"]
+    for key in sorted(set(old_cfg) | set(new_cfg)):
+        if old_cfg.get(key) != new_cfg.get(key):
+            diffs.append(f"{key}: checkpoint {old_cfg.get(key)!r}, this run {new_cfg.get(key)!r}")
+    old_shapes, new_shapes = saved.get("shapes", {}), current["shapes"]
+    if not diffs and old_shapes != new_shapes:
+        names = sorted(set(old_shapes) ^ set(new_shapes)) or [n for n in new_shapes if old_shapes[n] != new_shapes[n]]
+        diffs.append(f"parameters differ: {', '.join(names[:5])}")
+    if diffs:
+        shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+        raise ValueError(f"--resume: {path} was saved from a different model ({shown}); resume with the same "
+                         f"--model-config, or start a new run with another --save folder")
+
+
+def _state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_checkpoint(root: str | Path, step: int, model, optimizer, meta: dict) -> Path:
+    """Collective over the default group (every rank calls it). Returns the final directory."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(root)
+    final, tmp = step_dir(root, step), root / f".tmp-step_{step:08d}"
+    if _rank0():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving
+        tmp.mkdir()
+    _barrier()
+    with warnings.catch_warnings():  # single process: DCP warns that it assumes so, which is the intent
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), no_dist=not _distributed())
+    _barrier()
+    if _rank0():
+        with open(tmp / META, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(tmp / COMPLETE, "w") as f:  # last: its presence means everything above is on disk
+            f.write(f"step {step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # the same step saved again (e.g. a rerun): replace it
+            old = root / f".old-step_{step:08d}"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        dir_fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    _barrier()
+    return final
+
+
+def read_meta(path: str | Path) -> dict:
+    path = Path(path)
+    if not is_complete(path):
+        raise ValueError(f"--resume: {path} is not a complete checkpoint (no {COMPLETE} marker)")
+    with open(path / META) as f:
+        return json.load(f)
+
+
+def load_checkpoint(path: str | Path, model, optimizer, fingerprint: dict) -> dict:
+    """Check the model matches, then load model and optimizer state in place; returns the meta."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    meta = read_meta(path)
+    check_same_model(meta, fingerprint, path)
+    state = _state(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return meta
+

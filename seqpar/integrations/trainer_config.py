@@ -1,0 +1,257 @@
+"""Options of ``seqpar train``: the command line, one frozen :class:`TrainConfig`, and the checks that
+run before any rank starts (so bad input fails once, fast, with the flag to change)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from seqpar import METHODS
+from seqpar.layout import LAYOUT_MULTIPLE, layout_of
+
+from .trainer_data import VOCAB_SIZE, TextFiles, default_data_dir
+
+CHECKPOINTING = ("none", "layer", "attention")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Default model: a Llama with GQA (8 query heads, 2 KV heads) small enough that a step of 2048
+# tokens takes about a second on 2 CPU cores, large enough that its loss visibly falls in 50 steps.
+DEFAULT_MODEL = dict(model_type="llama", vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=688,
+                     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                     max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                     attention_dropout=0.0, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a rank needs to train; built once from the command line and sent to every rank."""
+
+    model_config: str | None = None
+    data: str | None = None
+    data_glob: str | None = None
+    seq_len: int = 2048
+    batch_size: int | None = None  # global sequences per step; None = one per data-parallel rank
+    context_parallel: int = 1
+    cp_method: str = "zigzag_ring"
+    adaptive: bool = False
+    checkpointing: str = "none"
+    dtype: str = "float32"
+    steps: int = 50
+    lr: float = 1e-3
+    warmup: int | None = None
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    save: str | None = None
+    save_every: int = 0
+    resume: str | None = None  # "" = latest under --save
+    nproc: int = 1
+    threads: int | None = None
+    plot: str | None = None
+    json: str | None = None
+    log_every: int = 1
+    progress: bool = True
+    timeout: float = 86400.0
+    crash_at_step: int | None = None
+
+    @property
+    def data_dir(self) -> str:
+        return self.data or default_data_dir()
+
+    @property
+    def glob(self) -> str:
+        return self.data_glob or ("*.py" if self.data is None else "*")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="seqpar train",
+        description="Train a transformers Llama (from a config) on packed byte-level text with context "
+                    "parallelism. Local CPU ranks: --nproc N; GPUs or several nodes: torchrun ... -m seqpar.train.")
+    a = p.add_argument
+    a("--model-config", metavar="PATH", help="JSON config or a local model folder with config.json "
+      "(default: a small Llama with GQA; weights are initialised from --seed, never downloaded)")
+    a("--data", metavar="DIR", help="folder of text files, one document per file (default: the Python "
+      "standard library's source files)")
+    a("--data-glob", metavar="PATTERN", help="file names to use (default '*.py' for the default data, else '*')")
+    a("--seq-len", type=int, default=2048, help="tokens per packed sequence (global, before sharding)")
+    a("--batch-size", type=int, help="global sequences per step (default: one per data-parallel rank)")
+    a("--context-parallel", "--cp", type=int, default=1, metavar="N",
+      help="ranks that share one sequence; the rest of the world is data parallel")
+    a("--cp-method", default="zigzag_ring", choices=METHODS)
+    a("--adaptive", action="store_true", help="plan context-parallel groups and methods per batch with "
+      "the adaptive scheduler (seqpar.schedulers) instead of a fixed --context-parallel")
+    a("--checkpointing", default="none", choices=CHECKPOINTING, help="activation checkpointing: per decoder "
+      "layer, or 'attention' (seqpar's rematerialisation-aware mode)")
+    a("--dtype", default="float32", choices=DTYPES, help="compute dtype (autocast; master weights stay fp32)")
+    a("--steps", type=int, default=50)
+    a("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, linear warmup, cosine to 10%%)")
+    a("--warmup", type=int, help="warmup steps (default: min(10, steps / 10))")
+    a("--weight-decay", type=float, default=0.0)
+    a("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
+    a("--seed", type=int, default=0, help="weights and data order")
+    a("--save", metavar="DIR", help="checkpoint folder (DCP; resumable with another --context-parallel)")
+    a("--save-every", type=int, default=0, metavar="N", help="also save every N steps (default: only at the end)")
+    a("--resume", nargs="?", const="", metavar="PATH", help="resume from PATH, or without a value from "
+      "the latest complete checkpoint under --save (a fresh start if there is none yet)")
+    a("--nproc", type=int, default=1, metavar="N", help="local CPU ranks to spawn (gloo); ignored under torchrun")
+    a("--threads", type=int, help="torch threads per rank (default: CPU cores / ranks, at least 1)")
+    a("--plot", nargs="?", const="loss.png", metavar="PNG", help="save the loss curve (default loss.png)")
+    a("--json", metavar="PATH", help="append one JSON line per step (and start/end records) to PATH; '-' = stdout")
+    a("--log-every", type=int, default=1, metavar="N")
+    a("--no-progress", action="store_true", help="no progress bar")
+    a("--timeout", type=float, default=86400.0, help="seconds before spawned local ranks are killed")
+    a("--crash-at-step", type=int, metavar="K", help=argparse.SUPPRESS)  # fault injection for tests
+    return p
+
+
+def parse_args(argv: list[str] | None) -> TrainConfig:
+    ns = build_parser().parse_args(argv)
+    return TrainConfig(
+        model_config=ns.model_config, data=ns.data, data_glob=ns.data_glob, seq_len=ns.seq_len,
+        batch_size=ns.batch_size, context_parallel=ns.context_parallel, cp_method=ns.cp_method,
+        adaptive=ns.adaptive, checkpointing=ns.checkpointing, dtype=ns.dtype, steps=ns.steps, lr=ns.lr,
+        warmup=ns.warmup, weight_decay=ns.weight_decay, grad_clip=ns.grad_clip, seed=ns.seed, save=ns.save,
+        save_every=ns.save_every, resume=ns.resume, nproc=ns.nproc, threads=ns.threads, plot=ns.plot,
+        json=ns.json, log_every=ns.log_every, progress=not ns.no_progress, timeout=ns.timeout,
+        crash_at_step=ns.crash_at_step)
+
+
+# ----------------------------------------------------------------------------- model config
+
+
+def load_model_config(path: str | None):
+    """A transformers config: the default Llama, a JSON file, or a local folder's config.json."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if path is None:
+        values = dict(DEFAULT_MODEL)
+        values.pop("model_type")
+        return LlamaConfig(**values)
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"--model-config: folder {path} has no config.json")
+        p = p / "config.json"
+    if not p.is_file():
+        raise ValueError(f"--model-config: {path} is neither a JSON file nor a model folder")
+    try:
+        values = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--model-config: {p} is not valid JSON ({exc})") from exc
+    model_type = values.pop("model_type", "llama")
+    try:
+        config = AutoConfig.for_model(model_type, **values)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"--model-config: {p}: {exc}") from exc
+    if config.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"--model-config: vocab_size {config.vocab_size} is smaller than the byte-level "
+                         f"vocabulary ({VOCAB_SIZE}: 256 bytes + BOS, EOS, PAD)")
+    return config
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def world_size_of(cfg: TrainConfig) -> int:
+    """Ranks of the run: torchrun's WORLD_SIZE when launched by it, else ``--nproc``."""
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else cfg.nproc
+
+
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def global_batch(cfg: TrainConfig, world: int) -> int:
+    return cfg.batch_size if cfg.batch_size is not None else world // cfg.context_parallel
+
+
+def required_multiple(method: str, cp: int) -> int:
+    return LAYOUT_MULTIPLE[layout_of(method)] * cp
+
+
+def feature_missing(feature: str) -> str | None:
+    """Why ``--adaptive`` / ``--checkpointing attention`` cannot run in this version (None: it can).
+
+    Detected by import, so the flags start working when the modules land.
+    """
+    if feature == "attention_checkpointing":
+        try:
+            module = importlib.import_module("seqpar.checkpoint")
+        except ImportError:
+            return ("--checkpointing attention: rematerialisation-aware checkpointing (seqpar.checkpoint) is not "
+                    "available in this version of seqpar; use --checkpointing layer")
+        if not callable(getattr(module, "apply_checkpointing", None)):
+            return ("--checkpointing attention: seqpar.checkpoint has no apply_checkpointing(model, mode=...) in "
+                    "this version; use --checkpointing layer")
+        return None
+    if feature == "adaptive":
+        try:
+            schedulers = importlib.import_module("seqpar.schedulers")
+        except ImportError as exc:
+            return (f"--adaptive: the adaptive scheduler (seqpar.schedulers) is not available in this version of "
+                    f"seqpar ({exc}); run with a fixed --context-parallel")
+        if not all(hasattr(schedulers, n) for n in ("plan_batch", "ClusterSpec", "local_batch")):
+            return ("--adaptive: seqpar.schedulers has no plan_batch / ClusterSpec / local_batch in this version; "
+                    "run with a fixed --context-parallel")
+        return None
+    raise ValueError(feature)
+
+
+def validate(cfg: TrainConfig, world: int, packed: bool = False) -> TextFiles:
+    """Every check that needs no process group; raises ValueError naming the flag. Returns the data index.
+
+    ``packed``: seqpar supports packed documents, so it pads every document to the layout itself and
+    any ``--seq-len`` fits; without it the dense sequence must fit the layout.
+    """
+    positive = {"--seq-len": cfg.seq_len, "--context-parallel": cfg.context_parallel, "--steps": cfg.steps,
+                "--nproc": cfg.nproc, "--log-every": cfg.log_every}
+    for flag, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{flag}: expected a positive integer, got {value}")
+    if cfg.lr <= 0:
+        raise ValueError(f"--lr: expected a positive learning rate, got {cfg.lr}")
+    if cfg.save_every < 0 or (cfg.save_every and not cfg.save):
+        raise ValueError("--save-every: needs --save DIR and a non-negative number of steps")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ValueError(f"--threads: expected a positive integer, got {cfg.threads}")
+    cp = cfg.context_parallel
+    if world % cp:
+        raise ValueError(f"--context-parallel {cp} does not divide the {world} ranks; the world is split into "
+                         f"groups of {cp} context-parallel ranks (use a divisor of {world})")
+    dp = world // cp
+    batch = global_batch(cfg, world)
+    if batch < 1 or (batch % dp and not cfg.adaptive):  # adaptive plans its own groups
+        raise ValueError(f"--batch-size {batch}: must be a positive multiple of the {dp} data-parallel groups")
+    largest = world if cfg.adaptive else cp  # adaptive groups can span the whole world
+    multiple = required_multiple(cfg.cp_method, largest)
+    if cfg.adaptive:
+        if world & (world - 1):
+            raise ValueError(f"--adaptive: the scheduler tiles the ranks with power-of-two groups; {world} ranks "
+                             "is not a power of two")
+        multiple = 2 * world  # any method of any group size up to the world (zigzag needs 2N)
+    if cfg.seq_len % multiple and not packed:
+        fit = -(-cfg.seq_len // multiple) * multiple
+        what = "the adaptive groups" if cfg.adaptive else f"--cp-method {cfg.cp_method}"
+        raise ValueError(f"--seq-len {cfg.seq_len} cannot be split for {what} over {largest} ranks: the token "
+                         f"layout needs a multiple of {multiple}; use "
+                         f"--seq-len {fit} (or {max(fit - multiple, multiple)})")
+    if cfg.checkpointing == "attention" and (why := feature_missing("attention_checkpointing")):
+        raise ValueError(why)
+    if cfg.adaptive and (why := feature_missing("adaptive")):
+        raise ValueError(why)
+    if cfg.crash_at_step is not None and not cfg.crash_at_step >= 1:
+        raise ValueError("--crash-at-step: expected a step >= 1")
+    files = TextFiles.scan(cfg.data_dir, cfg.glob)
+    if files.num_tokens < cfg.seq_len:
+        raise ValueError(f"--data: {cfg.data_dir} holds {files.num_tokens} tokens, fewer than one sequence of "
+                         f"--seq-len {cfg.seq_len}; add text or lower --seq-len")
+    load_model_config(cfg.model_config)  # a bad config fails here, once
+    return files

@@ -1,0 +1,365 @@
+"""Cost model of one training step of a sequence-parallel group (ALGORITHMS.md §7 and §8).
+
+A group of ``d`` ranks runs a packed batch of sequences ``S`` with one method. With
+``S1 = Σ s`` and ``S2 = Σ s²`` its step time (forward + backward, all layers) is
+
+    time = const + lin·S1 + max(quad·S2, overlap·S1)          (0 for an empty group)
+
+where ``quad·S2 = α1·S2/d`` is the attention compute (the only part communication can hide behind),
+``lin = α2/d + (communication that is not overlapped, per token)``, ``overlap`` is the communication
+per token that runs under the attention compute (ring family, TokenRing, LightSeq, the ring axis of
+USP) and ``const = β1 + latencies (+ ZeCO's one state)``. Memory per rank is
+``M_model + S1·(M_token/d + M_token_full·[d > 1])``. A group of one rank communicates nothing.
+
+Every formula is linear in (S1, S2) inside the max, so the MILP of :mod:`.milp` can use it exactly;
+:class:`GroupCoeffs` is that common form and the single source of truth for times and memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .cluster import ClusterSpec, is_power_of_two
+
+SOFTMAX_METHODS = ("zigzag_ring", "ulysses", "usp", "token_ring", "lightseq", "allgather_kv",
+                   "striped_ring", "ring")
+LINEAR_METHODS = ("zeco", "lasp2")
+KNOWN_METHODS = SOFTMAX_METHODS + LINEAR_METHODS
+_REQUIRED_COEFFS = ("alpha1", "alpha2", "beta1", "m_token", "m_model")
+# Communication structure of each method (see _comm_terms): "ring" moves K,V per step under compute.
+_RING_FAMILY = ("ring", "zigzag_ring", "striped_ring")
+
+# Default GPU numbers (H100 SXM, bf16), used by CostModel.default():
+#   attention: 400e12 FLOP/s effective for flash attention fwd+bwd (FA2/FA3 reach 350-600 TFLOP/s on
+#     H100 at long lengths; 400 is a conservative middle). FLOPs per layer: 4·s²·hidden (QKᵀ and PV),
+#     ×0.5 causal, ×3.5 forward+backward (backward ≈ 2.5× forward).
+#   linear part: 6·P FLOPs per token (forward+backward of every weight) at 450e12 FLOP/s (≈45% of the
+#     989 TFLOP/s dense bf16 peak, a typical MFU for 8B-class training).
+#   beta1: 1 ms per group step for launches and varlen metadata (≈ 30 µs per layer).
+#   memory: M_model 12e9 bytes (sharded optimizer states, one gathered layer, CUDA context and
+#     workspace); M_token = bf16 layer inputs kept by layer-boundary checkpointing (2·hidden·layers
+#     bytes) + one layer's recompute working set (~36·hidden bytes) ≈ 410 KB/token for Llama-3-8B.
+GPU_ATTENTION_FLOPS = 400e12
+GPU_GEMM_FLOPS = 450e12
+GPU_BETA1 = 1e-3
+GPU_M_MODEL = 12e9
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    """Per-method coefficients (one rank doing all the work; the group divides it by ``d``).
+
+    alpha1: seconds per token² (attention compute, fwd+bwd, all layers).
+    alpha2: seconds per token (everything linear in the length, fwd+bwd, all layers).
+    beta1: seconds of constant overhead per group and step.
+    m_token: bytes per token a rank holds for its share of the tokens (divided over the group).
+    m_model: bytes per rank independent of the tokens (weights, optimizer states, workspace).
+    m_token_full: bytes per token of the whole group's batch every rank of a group of d > 1 holds
+        (e.g. the gathered K,V of all-gather KV); not divided by d.
+    comm_scale: multiplies the modelled communication time (a calibration knob; 1 = the formula).
+    """
+
+    alpha1: float
+    alpha2: float
+    beta1: float
+    m_token: float
+    m_model: float
+    m_token_full: float = 0.0
+    comm_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+                raise ValueError(f"{f.name}: expected a non-negative finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class GroupCoeffs:
+    """Time and memory of one (method, group size) as linear forms of S1 = Σs and S2 = Σs²."""
+
+    const: float
+    lin: float
+    quad: float
+    overlap: float
+    mem_const: float
+    mem_lin: float
+
+    def time(self, s1: float, s2: float) -> float:
+        """Step time in seconds of a group whose sequences sum to s1 tokens and s2 tokens²."""
+        if s1 <= 0:
+            return 0.0
+        return self.const + self.lin * s1 + max(self.quad * s2, self.overlap * s1)
+
+    def memory(self, s1: float) -> float:
+        """Peak bytes per rank for s1 tokens in the group."""
+        return self.mem_const + self.mem_lin * s1
+
+    def dominates(self, other: "GroupCoeffs") -> bool:
+        """True when this is never slower nor heavier than ``other``, for every batch."""
+        return (self.const <= other.const and self.quad <= other.quad and self.lin <= other.lin
+                and self.lin + self.overlap <= other.lin + other.overlap
+                and self.mem_const <= other.mem_const and self.mem_lin <= other.mem_lin)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step-time and memory model of sequence-parallel attention methods for one transformer.
+
+    methods: ``((name, MethodCost), ...)`` in order of preference (ties go to the earlier one).
+    hidden: d = Hq·D; kv_hidden: d_kv = Hkv·D; layers; n_heads: Hq (Ulysses needs Hq % group == 0);
+    bytes_per_element: of activations on the wire (2 for bf16).
+    """
+
+    methods: tuple[tuple[str, MethodCost], ...]
+    hidden: int = 4096
+    kv_hidden: int = 1024
+    layers: int = 32
+    n_heads: int = 32
+    bytes_per_element: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "kv_hidden", "layers", "n_heads", "bytes_per_element"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if self.hidden % self.n_heads or self.kv_hidden % (self.hidden // self.n_heads):
+            raise ValueError(f"hidden={self.hidden}, kv_hidden={self.kv_hidden}, n_heads={self.n_heads}: hidden "
+                             f"must be n_heads·head_dim and kv_hidden a multiple of head_dim")
+        object.__setattr__(self, "methods", tuple((str(n), c) for n, c in self.methods))
+        names = [n for n, _ in self.methods]
+        if not names:
+            raise ValueError("methods: a cost model needs at least one method")
+        for name, coeffs in self.methods:
+            if name not in KNOWN_METHODS:
+                raise ValueError(f"methods: unknown method {name!r}; known: {', '.join(KNOWN_METHODS)}")
+            if not isinstance(coeffs, MethodCost):
+                raise ValueError(f"methods: coefficients of {name!r} must be a MethodCost")
+        if len(set(names)) != len(names):
+            raise ValueError(f"methods: duplicate names in {names}")
+
+    # ----------------------------------------------------------------------------- construction
+    @classmethod
+    def default(cls, hidden: int = 4096, kv_hidden: int = 1024, layers: int = 32, n_heads: int = 32,
+                ffn: int = 14336, vocab: int = 128256, attention_flops: float = GPU_ATTENTION_FLOPS,
+                gemm_flops: float = GPU_GEMM_FLOPS, methods: Iterable[str] = KNOWN_METHODS) -> "CostModel":
+        """Coefficients for H100-class GPUs, derived from FLOP counts (defaults: Llama-3-8B shape).
+
+        alpha1 = 4·hidden·0.5 (causal)·3.5 (fwd+bwd)·layers / attention_flops;
+        alpha2 = 6·P / gemm_flops with P = layers·(2·hidden² + 2·hidden·kv_hidden + 3·hidden·ffn)
+        + vocab·hidden; numbers and their sources are next to the constants of this module.
+        Linear-attention methods (zeco, lasp2) get alpha1 = 0 and the chunked (chunk 64) linear
+        attention FLOPs, ~(2·64 + 4·head_dim)·hidden per token and layer ×3.5, at half the rate.
+        """
+        e = 2
+        params = layers * (2 * hidden * hidden + 2 * hidden * kv_hidden + 3 * hidden * ffn) + vocab * hidden
+        alpha1 = 4 * hidden * 0.5 * 3.5 * layers / attention_flops
+        alpha2 = 6 * params / gemm_flops
+        head_dim = hidden // n_heads
+        m_token = e * hidden * layers + 36 * hidden
+        linear_attn = (2 * 64 + 4 * head_dim) * hidden * 3.5 * layers / (attention_flops / 2)
+        extra = {  # per-method buffers, bytes per token
+            "ulysses": (2 * (hidden + kv_hidden) * e, 0.0),  # full-length q,k,v,out of H/d heads
+            "usp": (2 * (hidden + kv_hidden) * e, 0.0),
+            "ring": (4 * kv_hidden * e, 0.0), "zigzag_ring": (4 * kv_hidden * e, 0.0),  # KV double buffer
+            "striped_ring": (4 * kv_hidden * e, 0.0), "lightseq": (4 * kv_hidden * e, 0.0),
+            "token_ring": (4 * (hidden + n_heads) * 4, 0.0),  # q in flight + fp32 partial outputs
+            "allgather_kv": (0.0, 2 * kv_hidden * e + 2 * kv_hidden * 4),  # gathered K,V + fp32 dK,dV
+        }
+        out = []
+        for name in methods:
+            if name not in KNOWN_METHODS:
+                raise ValueError(f"methods: unknown method {name!r}; known: {', '.join(KNOWN_METHODS)}")
+            tok, full = extra.get(name, (0.0, 0.0))
+            linear = name in LINEAR_METHODS
+            out.append((name, MethodCost(alpha1=0.0 if linear else alpha1,
+                                         alpha2=alpha2 + (linear_attn if linear else 0.0),
+                                         beta1=GPU_BETA1, m_token=m_token + tok, m_model=GPU_M_MODEL,
+                                         m_token_full=full)))
+        return cls(methods=tuple(out), hidden=hidden, kv_hidden=kv_hidden, layers=layers, n_heads=n_heads)
+
+    # ----------------------------------------------------------------------------- lookup
+    @property
+    def method_names(self) -> tuple[str, ...]:
+        """Names of the methods this model knows, in preference order."""
+        return tuple(n for n, _ in self.methods)
+
+    def coeffs(self, method: str) -> MethodCost:
+        """The :class:`MethodCost` of ``method`` (ValueError naming it when the model lacks it)."""
+        for name, c in self.methods:
+            if name == method:
+                return c
+        raise ValueError(f"method={method!r} is not in this cost model; it has {', '.join(self.method_names)}")
+
+    def supports(self, method: str, group_size: int) -> bool:
+        """Whether ``method`` can run on a group of this size (Ulysses needs n_heads % size == 0)."""
+        self.coeffs(method)
+        return not (method == "ulysses" and self.n_heads % group_size)
+
+    def default_methods(self) -> tuple[str, ...]:
+        """Methods a plan may use by default: the softmax ones (or the linear ones when only those)."""
+        soft = tuple(n for n in self.method_names if n not in LINEAR_METHODS)
+        return soft or self.method_names
+
+    # ----------------------------------------------------------------------------- model
+    def group_coeffs(self, method: str, group_size: int, cluster: ClusterSpec) -> GroupCoeffs:
+        """Time and memory coefficients of ``method`` on an aligned group of ``group_size`` ranks.
+
+        Raises ValueError when the method cannot run at this size (see :meth:`supports`).
+        """
+        c = self.coeffs(method)
+        d = group_size
+        if not is_power_of_two(d) or d > cluster.world_size:
+            raise ValueError(f"group_size={d!r} must be a power of two no larger than {cluster.world_size}")
+        if not self.supports(method, d):
+            raise ValueError(f"group_size={d}: ulysses needs n_heads={self.n_heads} divisible by the group size; "
+                             f"use usp (Ulysses inside a node, ring across) for larger groups")
+        imbalance = 2 * d / (d + 1) if method == "ring" else 1.0  # contiguous causal: N blocks vs (N+1)/2
+        lin_comm, overlap, const_comm = self._comm_terms(method, d, cluster)
+        s = c.comm_scale
+        return GroupCoeffs(const=c.beta1 + s * const_comm, lin=c.alpha2 / d + s * lin_comm,
+                           quad=c.alpha1 * imbalance / d, overlap=s * overlap, mem_const=c.m_model,
+                           mem_lin=c.m_token / d + (c.m_token_full if d > 1 else 0.0))
+
+    def _comm_terms(self, method: str, d: int, cluster: ClusterSpec) -> tuple[float, float, float]:
+        """(seconds per token not overlapped, seconds per token overlapped, constant seconds), all layers.
+
+        Volumes per rank from ALGORITHMS.md §8 with c = S1/d tokens per rank; backward counted as
+        twice the forward traffic for the ring family, TokenRing and LightSeq (K,V travel again with
+        dK,dV behind them) and as equal to it for Ulysses (four all-to-alls each way).
+        """
+        if d == 1:
+            return 0.0, 0.0, 0.0
+        h, hk, H, L, e = self.hidden, self.kv_hidden, self.n_heads, self.layers, self.bytes_per_element
+        bw, lat, f = cluster.bandwidth(d), cluster.latency(d), (d - 1) / d
+        if method == "ulysses":  # (d-1)/d·c·(2h+2hk) per pass, fwd + bwd, not overlapped
+            return f * (2 * h + 2 * hk) * e / d * 2 * L / bw, 0.0, 8 * L * lat
+        if method in _RING_FAMILY:  # 2(d-1)·c·hk = 2·f·S1·hk forward, x3 with backward, overlapped
+            return 0.0, f * 2 * hk * e * 3 * L / bw, 2 * (d - 1) * L * lat
+        if method == "allgather_kv":  # same volume as the ring, not overlapped, 3 collectives
+            return f * 2 * hk * e * 3 * L / bw, 0.0, 3 * L * lat
+        if method == "token_ring":  # busiest direction: Q fwd (h) + bwd bundle (2h+2H); causal x0.75
+            return 0.0, 0.75 * f * (3 * h + 2 * H) * e * L / bw, 2 * (d - 1) * L * lat
+        if method == "lightseq":  # d//2 steps; busiest rank gets kv (2hk) + helper output (h+H)
+            return 0.0, (d // 2) / d * (2 * hk + h + H) * e * 3 * L / bw, 2 * (d // 2 + 1) * L * lat
+        if method == "usp":  # Ulysses over u ranks inside a node, ring over r = d/u across
+            u = min(d, cluster.ranks_per_node)
+            while H % u:
+                u //= 2
+            r = d // u
+            uly = (u - 1) / u * (2 * h + 2 * hk) * e / d * 2 * L / cluster.bandwidth(u) if u > 1 else 0.0
+            ring = (r - 1) / r * 2 * hk / u * e * 3 * L / bw if r > 1 else 0.0
+            const = (8 * L * cluster.latency(u) if u > 1 else 0.0) + 2 * (r - 1) * L * lat
+            return uly, ring, const
+        head_dim = h // H
+        if method == "zeco":  # one state H·K·V = h·head_dim per layer and pass, pipelined chain
+            return 0.0, 0.0, 2 * L * (h * head_dim * e / bw + (d - 1) * lat)
+        if method == "lasp2":  # all-gather of (d-1)·H·K·(V+1) per layer and pass
+            return 0.0, 0.0, 2 * L * ((d - 1) * h * (head_dim + 1) * e / bw + lat)
+        raise ValueError(f"method={method!r} has no communication model")
+
+    def time(self, method: str, group_size: int, seq_lens: Sequence[int], cluster: ClusterSpec) -> float:
+        """Modelled step time (seconds, fwd+bwd, all layers) of a group running ``seq_lens`` packed."""
+        lens = _check_lens(seq_lens, allow_empty=True)
+        return self.group_coeffs(method, group_size, cluster).time(sum(lens), sum(s * s for s in lens))
+
+    def memory(self, method: str, group_size: int, seq_lens: Sequence[int]) -> float:
+        """Modelled peak bytes per rank of a group of ``group_size`` ranks running ``seq_lens``."""
+        lens = _check_lens(seq_lens, allow_empty=True)
+        c = self.coeffs(method)
+        if not is_power_of_two(group_size):
+            raise ValueError(f"group_size={group_size!r} must be a power of two")
+        per_token = c.m_token / group_size + (c.m_token_full if group_size > 1 else 0.0)
+        return c.m_model + per_token * sum(lens)
+
+    # ----------------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict:
+        """JSON-friendly dict: ``{"format", "version", "model": {...}, "methods": {name: {...}}}``."""
+        return {"format": "seqpar-cost-model", "version": 1,
+                "model": {"hidden": self.hidden, "kv_hidden": self.kv_hidden, "layers": self.layers,
+                          "n_heads": self.n_heads, "bytes_per_element": self.bytes_per_element},
+                "methods": {n: asdict(c) for n, c in self.methods}}
+
+    def to_json(self) -> str:
+        """The model as JSON text (see :meth:`to_dict`)."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        """Write the model as JSON to ``path``."""
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict, *, source: str = "cost model",
+                  required: Iterable[str] = ()) -> "CostModel":
+        """Build from :meth:`to_dict` output; ValueError naming ``source`` and the faulty method/key."""
+        if not isinstance(data, dict) or not isinstance(data.get("methods"), dict):
+            raise ValueError(f"{source}: expected an object with a 'methods' object")
+        model = data.get("model", {})
+        if not isinstance(model, dict):
+            raise ValueError(f"{source}: 'model' must be an object")
+        for name in required:
+            if name not in data["methods"]:
+                raise ValueError(f"{source}: method {name!r} is missing (the file has "
+                                 f"{', '.join(data['methods']) or 'no methods'})")
+        methods = []
+        for name, raw in data["methods"].items():
+            if not isinstance(raw, dict):
+                raise ValueError(f"{source}: method {name!r}: expected an object of coefficients")
+            missing = [k for k in _REQUIRED_COEFFS if k not in raw]
+            unknown = sorted(set(raw) - {f.name for f in fields(MethodCost)})
+            if missing or unknown:
+                raise ValueError(f"{source}: method {name!r}: missing {missing} / unknown {unknown} coefficients")
+            try:
+                methods.append((name, MethodCost(**raw)))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{source}: method {name!r}: {exc}") from None
+        try:
+            return cls(methods=tuple(methods), **model)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "cost model", required: Iterable[str] = ()) -> "CostModel":
+        """Parse :meth:`to_json` text; ValueError naming ``source`` when it is not a usable model."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source}: not valid JSON ({exc})") from None
+        return cls.from_dict(data, source=source, required=required)
+
+    @classmethod
+    def load(cls, path: str | Path, *, required: Iterable[str] = ()) -> "CostModel":
+        """Read a JSON cost model; ValueError naming the file (and the method) when it is unusable."""
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"cost model file {str(path)!r}: cannot be read ({exc})") from None
+        return cls.from_json(text, source=f"cost model file {str(path)!r}", required=required)
+
+    def with_methods(self, names: Iterable[str]) -> "CostModel":
+        """A copy restricted to ``names`` (in that order)."""
+        return replace(self, methods=tuple((n, self.coeffs(n)) for n in names))
+
+
+def _check_lens(seq_lens: Sequence[int], *, allow_empty: bool = False, argument: str = "seq_lens") -> list[int]:
+    """Validate sequence lengths (positive integers); ValueError naming ``argument``."""
+    if isinstance(seq_lens, (str, bytes)) or not hasattr(seq_lens, "__iter__"):
+        raise ValueError(f"{argument}: expected a sequence of positive integers, got {type(seq_lens).__name__}")
+    raw = list(seq_lens)
+    if any(isinstance(s, bool) or not isinstance(s, numbers.Real) or s != int(s) for s in raw):
+        bad = next(s for s in raw if isinstance(s, bool) or not isinstance(s, numbers.Real) or s != int(s))
+        raise ValueError(f"{argument}: lengths must be whole numbers of tokens, got {bad!r}")
+    lens = [int(s) for s in raw]
+    if not lens and not allow_empty:
+        raise ValueError(f"{argument}: the batch is empty; pass at least one sequence length")
+    bad = [(i, s) for i, s in enumerate(lens) if s <= 0]
+    if bad:
+        i, s = bad[0]
+        raise ValueError(f"{argument}: lengths must be positive, but seq_lens[{i}] = {s} "
+                         f"({len(bad)} non-positive in all); drop empty sequences before planning")
+    return lens

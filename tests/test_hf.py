@@ -1,0 +1,264 @@
+"""Hugging Face integration: a context-parallel transformers model equals the unmodified one.
+
+Tiny Llama and Qwen2 models with GQA (4 query heads, 2 KV heads), built from configs (no download).
+Every rank builds the same model from the same seed; the reference is the unmodified model run on
+the whole sequence in one process. Compared: logits of every local token, the loss, and every
+parameter gradient (summed over the context-parallel ranks), in fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from seqpar.integrations.hf import (IGNORE_INDEX, apply_context_parallel, context_parallel_loss,  # noqa: E402
+                                    packed_attention_supported, packed_position_ids, shard_inputs, shift_labels)
+from seqpar.testing import run_distributed  # noqa: E402
+
+# fp32 on both sides; the context-parallel model only changes the order of the softmax sums
+# (blockwise with a running max) and of the gradient sums over ranks, which round at ~1e-7
+# relative per operation. Through two layers and the LM head that stays below ~1e-6 of the
+# largest magnitude; 2e-5 leaves room, while a wrong mask, a lost label or a wrong position gives
+# errors of order 1e-2 or more.
+FP32_TOL = 2e-5
+VOCAB = 96
+
+
+def _packed_supported() -> tuple[bool, str]:
+    """Detected, not assumed: a tiny single-device packed call; the packed tests run once it works."""
+    if dist.is_initialized():
+        return False, "torch.distributed is initialised in the test process; cannot probe"
+    return packed_attention_supported()
+
+
+PACKED_OK, PACKED_WHY = _packed_supported()
+needs_packed = pytest.mark.skipif(not PACKED_OK, reason=f"packed attention not available yet: {PACKED_WHY}")
+
+
+def _build(kind: str, seed: int):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))  # biases on q, k, v
+    # initializer_range 0.02 makes near-uniform logits; larger weights make the comparison sharper
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model
+
+
+def _rel(a: torch.Tensor, r: torch.Tensor) -> float:
+    a, r = a.detach(), r.detach()
+    return float((a.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30))
+
+
+def _compare(ref, model, ref_logits, ref_loss, logits, loss, batch):
+    """Errors of logits, loss and every summed gradient against the reference."""
+    valid = batch.token_index >= 0
+    errs = {"logits": _rel(logits[:, valid], ref_logits[:, batch.token_index[valid]]),
+            "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
+        grad = p.grad.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(grad)  # each rank holds its share of the gradient
+        errs[name] = _rel(grad, p_ref.grad)
+    return errs
+
+
+def _cp_matches_single(kind, method, B, T, seed):
+    ref = _build(kind, seed)
+    model = apply_context_parallel(copy.deepcopy(ref), method=method)
+    ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+    ref_logits = ref(input_ids=ids, use_cache=False).logits
+    targets = shift_labels(ids)
+    ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    ref_loss.backward()
+
+    batch = shard_inputs(ids, method=method)
+    logits = model(**batch.model_kwargs()).logits
+    loss = context_parallel_loss(logits, batch.labels)
+    loss.backward()
+    return _compare(ref, model, ref_logits, ref_loss, logits, loss, batch), batch.token_index.tolist()
+
+
+def _check(results, T):
+    owned = sorted(i for _, index in results for i in index if i >= 0)
+    assert owned == list(range(T)), "the ranks' shards must hold every token exactly once"
+    for rank, (errs, _) in enumerate(results):
+        for name, err in errs.items():
+            assert err <= FP32_TOL, f"rank {rank} {name}: relative error {err:.2e} > {FP32_TOL:.0e}"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("method", ["zigzag_ring", "ring", "striped_ring"])
+def test_llama_gqa_matches_single_process(n, method):
+    T = 24  # 12 / 6 tokens per rank: zigzag chunks of 6 / 3
+    _check(run_distributed(_cp_matches_single, n, "llama", method, 2, T, 11 * n, timeout=180), T)
+
+
+def test_qwen2_matches_single_process():
+    _check(run_distributed(_cp_matches_single, 2, "qwen2", "zigzag_ring", 1, 20, 5, timeout=180), 20)
+
+
+def _packed_matches_per_document(kind, method, lengths, seed):
+    ref = _build(kind, seed)
+    model = apply_context_parallel(copy.deepcopy(ref), method=method)
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(seed))
+    # reference: every document on its own through the unmodified model
+    ref_logits = torch.cat([ref(input_ids=ids[:, a:b], use_cache=False).logits
+                            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+    targets = shift_labels(ids, cu)
+    ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    ref_loss.backward()
+
+    batch = shard_inputs(ids, cu_seqlens=cu, method=method)
+    logits = model(**batch.model_kwargs()).logits
+    loss = context_parallel_loss(logits, batch.labels)
+    loss.backward()
+    return _compare(ref, model, ref_logits, ref_loss, logits, loss, batch), batch.token_index.tolist()
+
+
+@needs_packed
+@pytest.mark.parametrize("n,method", [(2, "zigzag_ring"), (4, "zigzag_ring"), (4, "ring"), (4, "striped_ring")])
+def test_packed_documents_match_per_document_forward(n, method):
+    lengths = [5, 1, 11, 7, 2]  # a document of length 1; none divisible by N or 2N
+    _check(run_distributed(_packed_matches_per_document, n, "llama", method, lengths, 3, timeout=180), sum(lengths))
+
+
+# ----------------------------------------------------------------------------- single process
+
+
+class _PackedStandIn:
+    """Single-device stand-in for seqpar's packed path, to check this integration's plumbing now:
+    ``shard`` appends 3 zero tokens of padding (as the library may), ``attention`` is the
+    per-document reference on the real tokens and zeros on the padding."""
+
+    def __init__(self, real_shard):
+        self.real_shard, self.calls = real_shard, 0
+
+    def shard(self, x, *, group=None, method="zigzag_ring", dim=1, cu_seqlens=None):
+        if cu_seqlens is None:
+            return self.real_shard(x, group=group, method=method, dim=dim)
+        return torch.cat([x, torch.zeros_like(x.narrow(dim, 0, 3))], dim)
+
+    def unshard(self, x, *, group=None, method="zigzag_ring", dim=1, cu_seqlens=None):
+        return x.narrow(dim, 0, x.shape[dim] - 3)
+
+    def attention(self, q, k, v, *, causal, softmax_scale=None, cu_seqlens=None, **kwargs):
+        from seqpar.attention.reference import reference_attention
+
+        assert cu_seqlens is not None and cu_seqlens.dtype == torch.int32, "cu_seqlens must reach attention"
+        self.calls += 1
+        T = int(cu_seqlens[-1])
+        out = reference_attention(q[:, :T], k[:, :T], v[:, :T], causal=causal, softmax_scale=softmax_scale,
+                                  cu_seqlens=cu_seqlens)
+        return torch.cat([out, torch.zeros_like(q[:, T:])], dim=1)
+
+
+def test_packed_plumbing_with_a_single_device_stand_in(monkeypatch):
+    """cu_seqlens reaches every attention call, padding is skipped, positions restart per document:
+    the model equals the unmodified one run on each document separately."""
+    import seqpar
+
+    stand_in = _PackedStandIn(seqpar.shard)
+    monkeypatch.setattr(seqpar, "shard", stand_in.shard)
+    monkeypatch.setattr(seqpar, "attention", stand_in.attention)
+    errs, index = _packed_matches_per_document("llama", "zigzag_ring", [5, 1, 11, 7, 2], 3)
+    assert index[-3:] == [-1, -1, -1] and sorted(index[:-3]) == list(range(26))
+    assert stand_in.calls == 2  # one per decoder layer
+    for name, err in errs.items():
+        assert err <= FP32_TOL, f"{name}: relative error {err:.2e}"
+
+
+
+def test_labels_are_shifted_before_sharding_and_stop_at_documents():
+    ids = torch.arange(10, 20)[None]
+    cu = torch.tensor([0, 4, 5, 10], dtype=torch.int32)
+    assert shift_labels(ids).tolist() == [[*range(11, 20), IGNORE_INDEX]]
+    assert shift_labels(ids, cu).tolist() == [[11, 12, 13, -100, -100, 16, 17, 18, 19, -100]]
+    assert packed_position_ids(cu, 10).tolist() == [[0, 1, 2, 3, 0, 0, 1, 2, 3, 4]]
+    batch = shard_inputs(ids)  # a single device holds everything
+    assert batch.labels.tolist() == shift_labels(ids).tolist()
+    assert batch.position_ids.tolist() == [list(range(10))]
+    assert "cu_seqlens" not in batch.model_kwargs() and batch.model_kwargs()["use_cache"] is False
+
+
+def test_user_labels_keep_their_ignored_positions():
+    ids = torch.arange(8)[None]
+    labels = ids.clone()
+    labels[0, 3] = IGNORE_INDEX  # e.g. a prompt token
+    assert shard_inputs(ids, labels=labels).labels.tolist() == [[1, 2, -100, 4, 5, 6, 7, -100]]
+
+
+def test_single_device_model_matches_reference():
+    ref = _build("llama", 1)
+    model = apply_context_parallel(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 10))
+    got = model(**shard_inputs(ids).model_kwargs()).logits
+    assert _rel(got, ref(input_ids=ids).logits) <= FP32_TOL
+    assert model.config._attn_implementation.startswith("seqpar")
+    assert ref.config._attn_implementation != model.config._attn_implementation
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+class _OwnAttention(torch.nn.Module):
+    """A custom attention that does its own math instead of calling the AttentionInterface."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, hidden_states, **kwargs):
+        return self.proj(hidden_states), None
+
+
+def test_custom_attention_module_is_named():
+    model = _build("llama", 0)
+    model.model.layers[1].self_attn = _OwnAttention()
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn \(_OwnAttention\).*AttentionInterface"):
+        apply_context_parallel(model)
+    assert not model.config._attn_implementation.startswith("seqpar")  # left as it was
+
+
+def test_bad_arguments():
+    model = _build("llama", 0)
+    with pytest.raises(ValueError, match="method='nope' is not a known method"):
+        apply_context_parallel(model, method="nope")
+    with pytest.raises(ValueError, match="options: unknown backnd"):
+        apply_context_parallel(model, backnd="reference")
+    with pytest.raises(ValueError, match="group: expected None"):
+        apply_context_parallel(model, group="world")
+    with pytest.raises(ValueError, match="not a transformers PreTrainedModel|expected a transformers"):
+        apply_context_parallel(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="cu_seqlens: must start at 0"):
+        shard_inputs(torch.zeros(1, 6, dtype=torch.long), cu_seqlens=[0, 3, 3, 6])
+    with pytest.raises(ValueError, match="one stream"):
+        shard_inputs(torch.zeros(2, 6, dtype=torch.long), cu_seqlens=[0, 6])
+    model = apply_context_parallel(model)
+    with pytest.raises(ValueError, match="attention_mask: .*cu_seqlens"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 4, 4)[None])
+
+
+def _shard_odd_length(T):
+    return shard_inputs(torch.zeros(1, T, dtype=torch.long), method="zigzag_ring")
+
+
+def test_length_not_fitting_the_layout_says_how_to_pad():
+    with pytest.raises(ValueError, match=r"multiple of 4 \(2N\)\. Pad the sequence to 8 tokens"):
+        run_distributed(_shard_odd_length, 2, 6, timeout=120)

@@ -1,0 +1,197 @@
+"""``seqpar train``: the same losses at every context-parallel degree, resumable across degrees,
+atomic checkpoints, clear errors.
+
+A tiny Llama with GQA (2 layers, 4 query / 2 KV heads) on the default data (the Python standard
+library's sources), 128 tokens per step, run through the trainer's Python entry (``train(argv)``);
+``--nproc N`` ranks come from the same persistent gloo pools the other distributed tests use.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from seqpar.integrations import trainer_ckpt  # noqa: E402
+from seqpar.integrations.hf import packed_attention_supported  # noqa: E402
+from seqpar.integrations.trainer import main, train  # noqa: E402
+from seqpar.integrations.trainer_config import feature_missing, load_model_config  # noqa: E402
+
+TINY = {"model_type": "llama", "vocab_size": 259, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 1024, "tie_word_embeddings": False}
+# Losses of the same step at different CP degrees differ only by fp32 rounding of reordered sums
+# (blockwise softmax, gradient all-reduce); after 5 AdamW steps that is ~1e-7 relative here. 2e-5
+# leaves room for other summation orders; a wrong label, mask or position would change the loss by
+# more than 1e-3.
+LOSS_RTOL = 2e-5
+PACKED = packed_attention_supported()[0]
+
+
+def _args(tmp, *extra, steps=5, config=None):
+    path = tmp / "model.json"
+    path.write_text(json.dumps(config or TINY))
+    return ["--model-config", str(path), "--seq-len", "128", "--steps", str(steps), "--no-progress",
+            "--log-every", "1000", *map(str, extra)]
+
+
+def _close(a: dict, b: dict, steps) -> None:
+    for s in steps:
+        assert abs(a[s] - b[s]) <= LOSS_RTOL * abs(b[s]), f"step {s}: loss {a[s]!r} vs {b[s]!r}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One uninterrupted run at CP=1 (one process) and one at CP=4 (4 ranks) saving at steps 3 and 5."""
+    tmp = tmp_path_factory.mktemp("train")
+    cp1 = train(_args(tmp, "--context-parallel", 1))
+    cp4 = train(_args(tmp, "--nproc", 4, "--context-parallel", 4, "--save", tmp / "ckpt", "--save-every", 3,
+                      "--json", tmp / "log.jsonl"))
+    return tmp, cp1, cp4
+
+
+def test_cp1_and_cp4_losses_match(runs):
+    _, cp1, cp4 = runs
+    assert sorted(cp1.losses) == sorted(cp4.losses) == [1, 2, 3, 4, 5]
+    assert cp1.packed == cp4.packed == PACKED  # packed documents are used as soon as seqpar supports them
+    _close(cp4.losses, cp1.losses, range(1, 6))
+    assert cp1.losses[5] < cp1.losses[1]
+
+
+def test_json_log_and_checkpoints(runs):
+    tmp, _, cp4 = runs
+    lines = [json.loads(line) for line in (tmp / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "step" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert {"loss", "tokens_per_s", "peak_mem_mib", "lr"} <= set(steps[0])
+    assert lines[0]["event"] == "start" and lines[-1]["event"] == "end"
+    names = sorted(p.name for p in (tmp / "ckpt").iterdir())
+    assert names == ["step_00000003", "step_00000005"]  # no temporary directory left behind
+    assert all(trainer_ckpt.is_complete(tmp / "ckpt" / n) for n in names)
+    assert cp4.checkpoint == str(tmp / "ckpt" / "step_00000005")
+
+
+def test_resume_with_another_cp_degree_skips_partial_checkpoints(runs):
+    """Saved at step 3 with CP=4, resumed with CP=2: steps 4-5 match the uninterrupted CP=4 run. The
+    folder also holds what a crash while saving leaves (a temporary dir, a step dir without the
+    COMPLETE marker): ``--resume`` must pass over both."""
+    tmp, _, cp4 = runs
+    save = tmp / "resume"
+    shutil.copytree(tmp / "ckpt" / "step_00000003", save / "step_00000003")
+    partial = save / "step_00000004"
+    shutil.copytree(tmp / "ckpt" / "step_00000005", partial)
+    (partial / trainer_ckpt.COMPLETE).unlink()
+    shutil.copytree(tmp / "ckpt" / "step_00000005", save / ".tmp-step_00000005")
+    assert trainer_ckpt.latest_checkpoint(save) == save / "step_00000003"
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        trainer_ckpt.resolve_resume(str(partial), None)
+
+    cp2 = train(_args(tmp, "--nproc", 2, "--context-parallel", 2, "--save", save, "--resume"))
+    assert cp2.start_step == 3
+    _close(cp2.losses, cp4.losses, [4, 5])
+    assert [cp2.losses[s] for s in (1, 2, 3)] == [cp4.losses[s] for s in (1, 2, 3)]  # history restored
+    assert trainer_ckpt.latest_checkpoint(save) == save / "step_00000005"
+
+
+def _final_state(tmp, checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(load_model_config(str(tmp / "model.json")))
+    optimizer = torch.optim.AdamW(model.parameters())
+    trainer_ckpt.load_checkpoint(checkpoint, model, optimizer, trainer_ckpt.model_fingerprint(model))
+    return model.state_dict(), optimizer.state_dict()["state"]
+
+
+def test_crash_then_resume_equals_uninterrupted(tmp_path):
+    """A run that dies in step 5 (after its step-4 checkpoint) and is restarted with the same command
+    plus --resume ends with bitwise the parameters and optimizer state of an uninterrupted run."""
+    whole = train(_args(tmp_path, "--save", tmp_path / "a", steps=6))
+    crash = _args(tmp_path, "--save", tmp_path / "b", "--save-every", 2, steps=6)
+    with pytest.raises(RuntimeError, match="injected crash at step 5"):
+        train(crash + ["--crash-at-step", "5"])
+    assert trainer_ckpt.latest_checkpoint(tmp_path / "b") == tmp_path / "b" / "step_00000004"
+    again = train(crash + ["--resume"])
+    assert again.start_step == 4 and again.losses == whole.losses
+    (p1, o1), (p2, o2) = _final_state(tmp_path, whole.checkpoint), _final_state(tmp_path, again.checkpoint)
+    assert all(torch.equal(p1[k], p2[k]) for k in p1)
+    assert all(torch.equal(o1[k][n], o2[k][n]) for k in o1 for n in o1[k])
+
+
+def test_adaptive_plans_and_matches_single_rank(runs):
+    if feature_missing("adaptive"):
+        pytest.skip(feature_missing("adaptive"))
+    tmp, cp1, _ = runs
+    adaptive = train(_args(tmp, "--nproc", 4, "--adaptive", "--batch-size", 1))
+    _close(adaptive.losses, cp1.losses, range(1, 6))
+    assert all(sum(g[1] for g in r["groups"]) == 4 for r in adaptive.history)  # the groups tile the ranks
+
+
+def test_layer_checkpointing_bf16_plot(tmp_path):
+    result = train(_args(tmp_path, "--checkpointing", "layer", "--dtype", "bfloat16", "--plot", tmp_path / "loss.png",
+                         steps=2))
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.history)
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_trainer_uses_packed_documents_once_supported(tmp_path, monkeypatch):
+    """With a single-device stand-in for packed attention, the trainer detects support by itself and
+    sends every sequence's cu_seqlens to attention (see test_hf for the stand-in)."""
+    import seqpar
+    from test_hf import _PackedStandIn
+
+    stand_in = _PackedStandIn(seqpar.shard)
+    for name in ("shard", "unshard", "attention"):
+        monkeypatch.setattr(seqpar, name, getattr(stand_in, name))
+    result = train(_args(tmp_path, steps=2))
+    assert result.packed and stand_in.calls >= 2 * 2  # two layers, two steps (plus the probe)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.history)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_seq_len_not_fitting_the_layout_pads_or_says_which_to_use(tmp_path):
+    args = _args(tmp_path, "--nproc", 4, "--context-parallel", 4, "--seq-len", 100, steps=1)  # the last wins
+    if PACKED:  # seqpar pads every packed document to the layout itself
+        assert train(args).history[0]["tokens"] == 100
+    else:
+        with pytest.raises(ValueError, match=r"--seq-len 100 .* multiple of 8; use --seq-len 104"):
+            train(args)
+
+
+def test_seq_len_check_without_packed_attention(tmp_path):
+    from seqpar.integrations.trainer_config import parse_args, validate
+
+    with pytest.raises(ValueError, match=r"--seq-len 100 .* multiple of 8; use --seq-len 104"):
+        validate(parse_args(_args(tmp_path, "--context-parallel", 4, "--seq-len", 100)), 4, packed=False)
+
+
+def test_context_parallel_must_divide_the_world(tmp_path):
+    with pytest.raises(ValueError, match="--context-parallel 3 does not divide the 4 ranks"):
+        train(_args(tmp_path, "--nproc", 4, "--context-parallel", 3))
+
+
+def test_empty_data_folder(tmp_path):
+    (tmp_path / "data").mkdir()
+    with pytest.raises(ValueError, match="--data: no non-empty files"):
+        train(_args(tmp_path, "--data", tmp_path / "data"))
+    assert main(_args(tmp_path, "--data", tmp_path / "data")) == 2  # the command prints one line, exits 2
+
+
+def test_checkpoint_from_a_different_model(runs, tmp_path):
+    src, _, _ = runs
+    other = dict(TINY, hidden_size=32, head_dim=8)
+    with pytest.raises(ValueError, match=r"saved from a different model \(.*hidden_size: checkpoint 64, this run 32"):
+        train(_args(tmp_path, "--resume", src / "ckpt" / "step_00000003", config=other))
+
+
+def test_unavailable_features_fail_clearly(tmp_path):
+    why = feature_missing("attention_checkpointing")
+    if why is None:
+        pytest.skip("seqpar.checkpoint is available")
+    with pytest.raises(ValueError, match="--checkpointing attention: .*not available in this version"):
+        train(_args(tmp_path, "--checkpointing", "attention"))
