@@ -189,6 +189,13 @@ def test_checkpoint_from_a_different_model(runs, tmp_path):
         train(_args(tmp_path, "--resume", src / "ckpt" / "step_00000003", config=other))
 
 
+def test_attention_checkpointing_matches_uncheckpointed(runs, tmp_path):
+    """--checkpointing attention (rematerialisation-aware) trains exactly like no checkpointing."""
+    _, cp1, _ = runs
+    res = train(_args(tmp_path, "--nproc", 2, "--context-parallel", 2, "--checkpointing", "attention"))
+    _close(res.losses, cp1.losses, range(1, 6))
+
+
 def test_unavailable_features_fail_clearly(tmp_path):
     why = feature_missing("attention_checkpointing")
     if why is None:

@@ -98,3 +98,36 @@ def checkpoint(fn, *args, **kwargs):
     tape = AttentionTape()
     return _torch_ckpt.checkpoint(fn, *args, use_reentrant=False,
                                   context_fn=lambda: (tape.recording(), tape.replaying_calls()), **kwargs)
+
+
+def attention_context_fn():
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: a fresh tape per checkpointed call.
+
+    Pass it wherever torch's checkpoint options are accepted (e.g. transformers'
+    ``activation_checkpointing_kwargs``) to make that checkpointing rematerialisation-aware.
+    """
+    tape = AttentionTape()
+    return tape.recording(), tape.replaying_calls()
+
+
+def apply_checkpointing(model, mode: str = "attention"):
+    """Turn on activation checkpointing per decoder layer of a transformers model.
+
+    ``mode="attention"``: rematerialisation-aware (attention forwards are replayed, not recomputed);
+    ``mode="layer"``: plain layer-boundary checkpointing. Goes through the model's public
+    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` on older transformers)
+    with torch's ``context_fn`` option. Returns the model.
+    """
+    if mode not in ("attention", "layer"):
+        raise ValueError(f"mode={mode!r}: choose 'attention' (rematerialisation-aware) or 'layer'")
+    kwargs = {"use_reentrant": False}
+    if mode == "attention":
+        kwargs["context_fn"] = attention_context_fn
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(f"model: {type(model).__name__} has no activation_checkpointing_enable(); wrap its layers "
+                         f"with seqpar.checkpoint(layer, *args) instead")
+    return model

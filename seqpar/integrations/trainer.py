@@ -154,9 +154,9 @@ def _build_model(cfg: TrainConfig, device: torch.device):
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif cfg.checkpointing == "attention":
-        import seqpar.checkpoint
+        from seqpar.attention.checkpoint import apply_checkpointing
 
-        seqpar.checkpoint.apply_checkpointing(model, mode="attention")
+        apply_checkpointing(model, mode="attention")
     return model
 
 

@@ -184,7 +184,7 @@ def feature_missing(feature: str) -> str | None:
     """
     if feature == "attention_checkpointing":
         try:
-            module = importlib.import_module("seqpar.checkpoint")
+            module = importlib.import_module("seqpar.attention.checkpoint")
         except ImportError:
             return ("--checkpointing attention: rematerialisation-aware checkpointing (seqpar.checkpoint) is not "
                     "available in this version of seqpar; use --checkpointing layer")
