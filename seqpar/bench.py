@@ -67,6 +67,7 @@ class BenchRow:
     fwd_ms_1: float = float("nan")
     bwd_ms_1: float = float("nan")
     efficiency: float = float("nan")
+    step_ms: float = float("nan")  # forward+backward of the slowest rank (what a training step waits for)
     bytes_fwd: int = 0
     bytes_bwd: int = 0
     busiest_link: int = 0
@@ -137,7 +138,7 @@ def run_case_on_rank(case: BenchCase) -> dict:
                                  padding=pl.num_padding / pl.total_tokens)
         local = [seqpar.shard(t, method=case.method, group=group, cu_seqlens=pl) for t in (q, k, v, dout)]
         stats = seqpar.CommStats()
-        fwd, bwd = [], []
+        fwd, bwd, step = [], [], []
         out = None
         # methods whose two traffic directions get their own communicators (created once, collectively)
         comm = seqpar.TokenRingGroups(group) if group is not None and case.method in _TWO_WAY else None
@@ -147,9 +148,13 @@ def run_case_on_rank(case: BenchCase) -> dict:
             if i >= case.warmup:
                 fwd.append(_max_over_ranks(tf, group))
                 bwd.append(_max_over_ranks(tb, group))
+                # the slowest rank's whole step: max(fwd) + max(bwd) would count a rank that finished
+                # its forward early and then waits in backward for the others twice
+                step.append(_max_over_ranks(tf + tb, group))
         if comm is not None:
             comm.destroy()
         row.fwd_ms, row.bwd_ms = statistics.median(fwd), statistics.median(bwd)
+        row.step_ms = statistics.median(step)
         row.bytes_fwd, row.bytes_bwd = stats.total("fwd"), stats.total("bwd")
         row.busiest_link = stats.busiest_link("fwd")
         row.busiest_link_step = stats.busiest_link_per_step("fwd")
@@ -174,7 +179,7 @@ def run_case_on_rank(case: BenchCase) -> dict:
             if pl1 is not None:
                 out1 = seqpar.unshard(out1, method=case.method, cu_seqlens=pl1, group=solo)
             row.max_error = float((full.double() - out1.double()).abs().max() / out1.double().abs().max())
-            row.efficiency = (row.fwd_ms_1 + row.bwd_ms_1) / (n * (row.fwd_ms + row.bwd_ms))
+            row.efficiency = (row.fwd_ms_1 + row.bwd_ms_1) / (n * row.step_ms)
     except Exception as exc:  # a failing row is reported, the others go on
         row.error = f"{type(exc).__name__}: {exc}"
     return row.as_dict()
@@ -227,7 +232,7 @@ def run_cases(cases: list[BenchCase], *, progress: bool = True) -> list[dict]:
 
 def print_table(rows: list[dict], title: str = "seqpar bench") -> None:
     cols = [("method", "method"), ("N", "world_size"), ("T", "seq_len"), ("causal", "causal"),
-            ("fwd ms", "fwd_ms"), ("bwd ms", "bwd_ms"), ("1-rank ms", None), ("efficiency", "efficiency"),
+            ("fwd ms", "fwd_ms"), ("bwd ms", "bwd_ms"), ("step ms", "step_ms"), ("1-rank ms", None), ("efficiency", "efficiency"),
             ("MB sent/rank", None), ("link/step KB", None), ("max err", "max_error"), ("error", "error")]
     if any("balance" in r.get("extra", {}) for r in rows):  # --packed: docs and max/mean work per rank
         cols[3:3] = [("docs", None), ("pad %", None), ("max/mean work", None)]
