@@ -119,3 +119,19 @@ def _module_case():
 
 def test_module_wrapper():
     assert max(run_distributed(_module_case, 2)) < 1e-5
+
+
+def test_bench_cli_smoke(tmp_path):
+    """`seqpar bench` runs a row on 2 local ranks, checks it against one rank and writes JSON."""
+    import json
+
+    from seqpar.cli import main
+
+    path = tmp_path / "rows.json"
+    rc = main(["bench", "--seq-lens", "64", "--nproc", "2", "--methods", "zigzag_ring,ulysses", "--repeats", "1",
+               "--warmup", "0", "--no-progress", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert rc == 0 and [r["method"] for r in rows] == ["zigzag_ring", "ulysses"]
+    for r in rows:
+        assert r["error"] == "" and r["max_error"] < 1e-5 and r["efficiency"] > 0 and r["step_ms"] > 0
+        assert r["bytes_fwd"] > 0
