@@ -45,14 +45,14 @@ class BenchCase:
 
 def stdlib_doc_lengths(total: int, seed: int = 0) -> list[int]:
     """A packed batch of ``total`` tokens drawn from a long-tailed real length distribution available
-    offline: the byte sizes of the Python standard library's ``.py`` files / 4 (a token estimate),
-    sampled with ``seed`` until the total is reached (the last document is cut to fit)."""
+    offline: the byte sizes of the Python standard library's ``.py`` files / 4 (a token estimate,
+    :func:`seqpar.schedulers.data.stdlib_lengths`), sampled with ``seed`` until the total is reached
+    (the last document is cut to fit)."""
     import random
-    import sysconfig
-    from pathlib import Path
 
-    root = Path(sysconfig.get_paths()["stdlib"])
-    sizes = sorted(max(1, f.stat().st_size // 4) for f in root.rglob("*.py") if "site-packages" not in f.parts)
+    from seqpar.schedulers.data import stdlib_lengths
+
+    sizes = [int(x) for x in stdlib_lengths()]
     rng, lens = random.Random(seed), []
     while sum(lens) < total:
         lens.append(min(rng.choice(sizes), total - sum(lens)))

@@ -10,6 +10,28 @@ import seqpar
 from seqpar.attention.reference import reference_attention
 
 
+# fp32: every path accumulates in fp32; products of O(1) values summed over <= a few hundred keys
+# round at ~1e-7 relative, so 2e-5 of the largest magnitude leaves room without hiding a wrong mask,
+# block or head routing (those give errors of order 1e-1).
+FP32_TOL = 2e-5
+# bf16: a method may be at most 2x as far from float64 as a single-device bf16 SDPA on the same
+# inputs (STYLE.md §12); the small floor absorbs cases where the baseline is unusually lucky.
+BF16_FACTOR, BF16_FLOOR = 2.0, 2e-3
+
+
+def check_errors(res, dtype):
+    """Assert each rank's errors of (out, dq, dk, dv): ``res[rank]["errs"]`` against float64 and,
+    for low precision, ``res[rank]["base"]`` (the single-device same-dtype baseline's errors)."""
+    for rank, r in enumerate(res):
+        for i, name in enumerate(("out", "dq", "dk", "dv")):
+            e = r["errs"][i]
+            if dtype == torch.float32:
+                assert e <= FP32_TOL, f"rank {rank} {name}: error {e:.2e} > {FP32_TOL:.0e}"
+            else:
+                bound = BF16_FACTOR * r["base"][i] + BF16_FLOOR
+                assert e <= bound, f"rank {rank} {name}: error {e:.2e} > 2 x single-device bf16 {r['base'][i]:.2e}"
+
+
 def rel_err(actual: torch.Tensor, ref: torch.Tensor) -> float:
     """max |actual - ref| / max |ref|: a scale-free error that is 0 only for an exact match."""
     actual = actual.double()

@@ -15,13 +15,8 @@ from seqpar.attention import plans
 from seqpar.attention.token_ring import TokenRingGroups, token_ring_plan
 from seqpar.testing import run_distributed
 
-from dist_utils import global_inputs, reference_grads, rel_err, sdpa_grads
+from dist_utils import BF16_FACTOR, BF16_FLOOR, check_errors, global_inputs, reference_grads, rel_err, sdpa_grads
 
-# fp32: every path accumulates in fp32 (see test_ring.py): 2e-5 of the largest magnitude leaves
-# room for rounding over a few hundred keys while a wrong block or mask gives errors ~1e-1.
-FP32_TOL = 2e-5
-# bf16: at most 2x the error of a single-device bf16 SDPA on the same inputs (STYLE.md §12).
-BF16_FACTOR, BF16_FLOOR = 2.0, 2e-3
 
 
 def run_parallel(method, causal, low, *, stats=None, channels=True, **kw):
@@ -45,15 +40,6 @@ def compare(method, causal, B, T, Hq, Hkv, D, dtype, seed, channels=True):
     return {"errs": [rel_err(a, r) for a, r in zip(got, ref)], "base": base, "stats": stats}
 
 
-def check_errors(res, dtype):
-    for rank, r in enumerate(res):
-        for i, name in enumerate(("out", "dq", "dk", "dv")):
-            e = r["errs"][i]
-            if dtype == torch.float32:
-                assert e <= FP32_TOL, f"rank {rank} {name}: error {e:.2e} > {FP32_TOL:.0e}"
-            else:
-                bound = BF16_FACTOR * r["base"][i] + BF16_FLOOR
-                assert e <= bound, f"rank {rank} {name}: error {e:.2e} > 2 x single-device bf16 {r['base'][i]:.2e}"
 
 
 def token_ring_bytes(n, r, B, c, Hq, D, esize, causal, grad_size=4):

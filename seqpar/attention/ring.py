@@ -85,6 +85,16 @@ def _surrogate_out(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return u * torch.where(m > 0, delta.transpose(1, 2).unsqueeze(-1) / denom, 0.0)
 
 
+def _foreign_delta(task: Task, qp: dict, qr: slice):
+    """For a foreign query bundle (delta travelled instead of out): delta of rows ``qr``, with a
+    surrogate ``out`` stored once in the bundle for kernels that need one. None for own rows."""
+    if task.q == 0:
+        return None
+    if "out" not in qp:
+        qp["out"] = _surrogate_out(qp["dout"], qp["delta"])
+    return qp["delta"][:, :, qr]
+
+
 class _Held:
     """Rows ``[row0, row0 + n)`` (owner's local order) of one member's operand, as named tensors
     (``q`` | ``k``, ``v`` | backward: ``dout``, ``lse``, ``delta``, ``out``) and as sent (``wire``)."""
@@ -267,11 +277,7 @@ class _Run:
                                        backend=cfg.backend)
                 self.add("out", task.q, b.q, (o, lse))
                 continue
-            delta = None
-            if task.q != 0:  # a foreign bundle: delta travelled instead of out
-                if "out" not in qp:
-                    qp["out"] = _surrogate_out(qp["dout"], qp["delta"])
-                delta = qp["delta"][:, :, qr]
+            delta = _foreign_delta(task, qp, qr)
             gq, gk, gv = block_backward(qp["dout"][:, qr], qp["q"][:, qr], k[:, kr], v[:, kr], qp["out"][:, qr],
                                         qp["lse"][:, :, qr], scale=cfg.scale, mask=b.mask, backend=cfg.backend,
                                         delta=delta)
@@ -290,11 +296,7 @@ class _Run:
             if task.q != 0:
                 self.add("out", task.q, b.q, acc)  # cast to the input dtype when sent
             return
-        delta = None
-        if task.q != 0:  # a foreign bundle: delta travelled instead of out
-            if "out" not in qp:
-                qp["out"] = _surrogate_out(qp["dout"], qp["delta"])
-            delta = qp["delta"][:, :, qr]
+        delta = _foreign_delta(task, qp, qr)
         gq = self.mine["out"][0][:, b.q] if task.q == 0 else \
             torch.zeros(qp["q"][:, qr].shape, dtype=self.acc, device=self.device)
         if task.kv == 0:

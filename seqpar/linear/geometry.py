@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 
 @dataclass(frozen=True)
@@ -51,32 +50,18 @@ class LinearShard:
         return any(i >= 0 for i in self.in_seqs)
 
 
-def host_cu_seqlens(cu_seqlens) -> list[int] | None:
-    """``cu_seqlens`` as a host list of ints (one device-to-host copy, here, once per call)."""
-    if cu_seqlens is None:
-        return None
-    if isinstance(cu_seqlens, torch.Tensor):
-        return [int(x) for x in cu_seqlens.detach().cpu().tolist()]
-    return [int(x) for x in cu_seqlens]
-
-
 def check_cu_seqlens(cu_seqlens, *, batch: int, t_local: int, world: int) -> list[int]:
-    """Validate a global ``cu_seqlens``; ``ValueError`` naming the argument otherwise."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"cu_seqlens: expected a 1-D int32 tensor (flash-attn convention), got shape "
-                f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
-    elif not isinstance(cu_seqlens, (list, tuple)) or not all(isinstance(x, int) for x in cu_seqlens):
-        raise ValueError(
-            f"cu_seqlens: expected a 1-D int32 tensor or a list of ints, got {type(cu_seqlens).__name__}")
-    cu = host_cu_seqlens(cu_seqlens)
+    """Validate a global ``cu_seqlens`` for a contiguous linear-attention shard.
+
+    The offsets themselves are checked by :func:`seqpar.packing.check_cu_seqlens` (the one check
+    every method shares); this adds what is specific here: packed input has batch size 1 and the
+    offsets cover ``N * T_local`` tokens (no padding: linear attention needs none).
+    """
+    from ..packing import check_cu_seqlens as check_offsets
+
     if batch != 1:
         raise ValueError(f"cu_seqlens: packed input must have batch size 1 ([1, T_local, H, K]), got B={batch}")
-    if len(cu) < 2 or cu[0] != 0:
-        raise ValueError(f"cu_seqlens: must start with 0 and hold at least one document, got {cu[:4]}...")
-    if any(b <= a for a, b in zip(cu[:-1], cu[1:])):
-        raise ValueError("cu_seqlens: must be strictly increasing (every document needs at least one token)")
+    cu = list(check_offsets(cu_seqlens, None))
     if cu[-1] != world * t_local:
         raise ValueError(
             f"cu_seqlens: is the GLOBAL cu_seqlens of the packed stream, so cu_seqlens[-1] must equal "
