@@ -82,8 +82,41 @@ def _usp_module(method, ulysses_degree, ring_method):
     return usp if method == "usp" else None
 
 
+def _check_dim(x, dim, argument: str) -> None:
+    """``dim`` must name a dimension of ``x`` (no silent wrap-around of an out-of-range dim)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{argument}: expected a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim!r} is not a dimension of {argument} with shape {tuple(x.shape)}: pass the "
+                         f"token dimension, an int in [{-x.dim()}, {x.dim() - 1}]")
+
+
+def _check_ranks(entry, x, group, method, dim, cu_seqlens, ulysses_degree, ring_method) -> None:
+    """The cross-rank agreement gather of :mod:`seqpar.comm.agreement` for shard/unshard: the local
+    checks that need no tensor geometry first (an error on some ranks only stops every rank), then
+    shape, dtype, dim, method and cu_seqlens compared across ranks."""
+    from .attention.api import _agreement_groups  # local import: the attention package imports this module
+    from .comm.agreement import check_agreement, offsets_fingerprint, shape_of
+
+    infos = _agreement_groups(method, group, ulysses_degree)
+    error = None
+    try:
+        _usp_module(method, ulysses_degree, ring_method)
+        layout_of(method)
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    except Exception as exc:
+        error = exc
+    fields = {"method": repr(method), "x of shape": shape_of(x), "dtype": str(getattr(x, "dtype", None)),
+              "dim": repr(dim), "cu_seqlens": offsets_fingerprint(cu_seqlens),
+              "ulysses_degree": repr(ulysses_degree), "ring_method": repr(ring_method)}
+    check_agreement(infos, entry, fields, error,
+                    device=x.device if isinstance(x, torch.Tensor) and x.is_cuda else None)
+
+
 def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int = 1, cu_seqlens=None,
-          ulysses_degree: int | None = None, ring_method: str | None = None) -> torch.Tensor:
+          ulysses_degree: int | None = None, ring_method: str | None = None,
+          check_ranks: bool = False) -> torch.Tensor:
     """This rank's part of a global tensor, in the layout ``method`` needs.
 
     Args:
@@ -97,10 +130,20 @@ def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int 
             Every document is split in the method's layout and padded inside the library; the
             result is this rank's padded local stream (padding rows zero), the same length on
             every rank. Validated (ValueError) before anything else.
+        check_ranks: True = first check with one small all-gather that every rank passed the same
+            shape, dtype, dim, method and cu_seqlens (:mod:`seqpar.comm.agreement`); every rank then
+            raises the same ValueError naming the disagreeing rank. Off unless asked for here: the
+            environment variable ``SEQPAR_CHECK_RANKS`` does not apply to ``shard``, which is
+            otherwise purely local (a variable must not turn it into a collective behind the caller).
     Returns:
         ``x`` restricted to this rank's tokens along ``dim``: ``T_local = T_global / N`` tokens.
-        Purely local: no communication.
+        Purely local (no communication) unless ``check_ranks``.
     """
+    if check_ranks is not False:
+        if check_ranks is not True:
+            raise ValueError(f"check_ranks: expected True or False, got {check_ranks!r}")
+        _check_ranks("seqpar.shard", x, group, method, dim, cu_seqlens, ulysses_degree, ring_method)
+    _check_dim(x, dim, "x")
     usp = _usp_module(method, ulysses_degree, ring_method)
     if cu_seqlens is not None:
         _packed_method(method)
@@ -127,12 +170,20 @@ def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int 
 
 def unshard(x_local: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int = 1, cu_seqlens=None,
             stats: CommStats | None = None, ulysses_degree: int | None = None,
-            ring_method: str | None = None) -> torch.Tensor:
+            ring_method: str | None = None, check_ranks: bool | None = None) -> torch.Tensor:
     """Gather every rank's part and restore global token order; every rank gets the full tensor.
 
     Inverse of :func:`shard`: ``unshard(shard(x)) == x`` exactly. ``x_local`` must have the same
-    shape on every rank. This is a collective over ``group``.
+    shape on every rank. This is a collective over ``group``. ``check_ranks`` (None = the
+    environment variable ``SEQPAR_CHECK_RANKS=1``, read at each call): first check with one small
+    all-gather that every rank passed the same shape, dtype, dim, method and cu_seqlens; every rank
+    then raises the same ValueError naming the disagreeing rank instead of gathering mismatched buffers.
     """
+    from .comm.agreement import check_ranks_enabled
+
+    if check_ranks_enabled(check_ranks):
+        _check_ranks("seqpar.unshard", x_local, group, method, dim, cu_seqlens, ulysses_degree, ring_method)
+    _check_dim(x_local, dim, "x_local")
     usp = _usp_module(method, ulysses_degree, ring_method)
     if cu_seqlens is not None:
         _packed_method(method)

@@ -128,7 +128,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _worker_main(rank: int, world_size: int, conn: Connection, port: int, prefix: str,
-                 threads: int) -> None:
+                 threads: int, pg_timeout: float | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(threads)
@@ -144,7 +144,8 @@ def _worker_main(rank: int, world_size: int, conn: Connection, port: int, prefix
                     dist.destroy_process_group()
                 store = store or dist.TCPStore(_HOST, port, is_master=False, timeout=_STORE_TIMEOUT)
                 dist.init_process_group("gloo", store=dist.PrefixStore(body, store), rank=rank,
-                                        world_size=world_size)
+                                        world_size=world_size,
+                                        timeout=None if pg_timeout is None else timedelta(seconds=pg_timeout))
                 reply = pickle.dumps(("ready", os.getpid()))
             else:
                 fn, args, kwargs = pickle.loads(body)
@@ -198,15 +199,22 @@ class WorkerPool:
 
     The ranks are spawned lazily by the first :meth:`run` (or :meth:`start`) and again after
     the pool was killed. ``failure_grace`` and ``threads_per_rank`` may be changed between
-    cases (``threads_per_rank`` takes effect on the next spawn).
+    cases (``threads_per_rank`` and ``pg_timeout`` take effect on the next spawn).
+    ``pg_timeout`` (seconds, None = torch's default) is the ``timeout=`` of the ranks'
+    ``init_process_group``: how long a send/recv/collective waits for a peer before failing
+    (tests of peer failure use a few seconds, with a ``failure_grace`` longer than that).
     """
 
     def __init__(self, world_size: int, *, threads_per_rank: int = 1,
-                 failure_grace: float = DEFAULT_FAILURE_GRACE, start_timeout: float = 300.0) -> None:
+                 failure_grace: float = DEFAULT_FAILURE_GRACE, start_timeout: float = 300.0,
+                 pg_timeout: float | None = None) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank!r}")
+        if pg_timeout is not None and not pg_timeout > 0:
+            raise ValueError(f"pg_timeout must be > 0 seconds or None, got {pg_timeout!r}")
+        self.pg_timeout = pg_timeout
         self.world_size = world_size
         self.threads_per_rank = threads_per_rank
         self.failure_grace = failure_grace
@@ -243,7 +251,7 @@ class WorkerPool:
                     parent_end, child_end = ctx.Pipe(duplex=True)
                     proc = ctx.Process(target=_worker_main, name=f"seqpar-rank{rank}",
                                        args=(rank, self.world_size, child_end, self._store.port,
-                                             prefix, self.threads_per_rank))
+                                             prefix, self.threads_per_rank, self.pg_timeout))
                     with _patched_environ({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
                         proc.start()  # the spawned interpreter inherits os.environ
                     child_end.close()

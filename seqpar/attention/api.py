@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import CommStats, GroupInfo, group_info
+from ..comm.agreement import check_agreement, check_ranks_enabled, offsets_fingerprint, shape_of
 from ..kernels import check_qkv, select_backend, available_backends
 from ..packing import PackedLayout, check_cu_seqlens, check_same_on_ranks
 from .registry import MethodSpec, method_spec
@@ -84,7 +85,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
               causal: bool = False, softmax_scale: float | None = None, cu_seqlens=None,
               backend: str | None = None, stats: CommStats | None = None,
               grad_comm_dtype: str | None = None, ulysses_degree: int | None = None,
-              ring_method: str | None = None) -> torch.Tensor:
+              ring_method: str | None = None, check_ranks: bool | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence split across the ranks of ``group``.
 
     Shapes (N = ranks in ``group``, ``T_local = T_global / N``):
@@ -118,10 +119,38 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             a 2-D mesh, a ``(ulysses_group, ring_group)`` pair or ``make_usp_groups(...)`` fix
             it) and the ring-family method across the ring axis (default ``"zigzag_ring"``).
             Pass the same ``group``/``ulysses_degree``/``ring_method`` to ``seqpar.shard``.
+        check_ranks: first check, with one all-gather of an 8 KB fingerprint, that every rank of the
+            group passed the same shapes, dtypes, method, causal, softmax_scale, backend and
+            cu_seqlens (:mod:`seqpar.comm.agreement`); on a mismatch, or a ValueError on some ranks
+            only, every rank raises the same ValueError naming the disagreeing rank(s) and argument
+            instead of hanging. None (default) = the environment variable ``SEQPAR_CHECK_RANKS=1``
+            (read at each call). With it on, the cu_seqlens comparison is part of that one gather.
 
     Raises ``ValueError`` naming the argument, on every rank and before any communication, for bad
-    shapes, dtypes, method, backend or lengths.
+    shapes, dtypes, method, backend or lengths. Raises :class:`seqpar.PeerError` when a peer rank
+    crashes or times out during the call.
     """
+    opts = dict(group=group, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                backend=backend, stats=stats, grad_comm_dtype=grad_comm_dtype, ulysses_degree=ulysses_degree,
+                ring_method=ring_method)
+    if not check_ranks_enabled(check_ranks):
+        call = _prepare(q, k, v, same_offsets_check=True, **opts)
+    else:
+        infos = _agreement_groups(method, group, ulysses_degree)
+        error = None
+        try:  # the fingerprint carries cu_seqlens: no separate offsets gather
+            call = _prepare(q, k, v, same_offsets_check=False, **opts)
+        except Exception as exc:  # re-raised here after the gather; the other ranks raise naming this one
+            error = exc
+        check_agreement(infos, "seqpar.attention", _fingerprint(q, k, v, **opts), error,
+                        device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
+    return FAMILIES[call.spec.family](q.contiguous(), k.contiguous(), v.contiguous(), call)
+
+
+def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
+             ulysses_degree, ring_method, same_offsets_check: bool) -> "CallSpec":
+    """Every local check of a call, and its CallSpec. Communicates only for ``same_offsets_check``
+    (packed input: the cu_seqlens fingerprint all-gather of :func:`_check_same`)."""
     check_usp_options(method, ulysses_degree, ring_method)
     channels = None
     if isinstance(group, TokenRingGroups):  # the group plus one communicator per traffic direction
@@ -136,7 +165,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         check_qkv(q, k, v)
         if not isinstance(cu_seqlens, PackedLayout):
             host = check_cu_seqlens(cu_seqlens, None)
-            _check_same(host, method, group, ulysses_degree, q)
+            if same_offsets_check:
+                _check_same(host, method, group, ulysses_degree, q)
             cu_seqlens = host
         packed = _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method)
     spec = _validate(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
@@ -145,10 +175,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     wire = _GRAD_COMM[grad_comm_dtype]
     if wire == "input":
         wire = k.dtype
-    call = CallSpec(info=info, spec=spec, causal=causal, scale=scale, backend=backend, grad_comm_dtype=wire,
+    return CallSpec(info=info, spec=spec, causal=causal, scale=scale, backend=backend, grad_comm_dtype=wire,
                     stats=stats, group=group, ulysses_degree=ulysses_degree, ring_method=ring_method,
                     channels=channels, packed=packed)
-    return FAMILIES[spec.family](q.contiguous(), k.contiguous(), v.contiguous(), call)
+
+
+def _agreement_groups(method, group, ulysses_degree) -> list[GroupInfo]:
+    """The group(s) whose ranks must agree: the flat group, or for usp given as a mesh or a pair
+    of groups its two axes (agreement along both axes is agreement of all, transitively)."""
+    if isinstance(group, TokenRingGroups):
+        group = group.group
+    if method != "usp":
+        return [group_info(group)]
+    from .usp import describe_usp
+
+    axes = describe_usp(group, ulysses_degree)
+    if axes.flat is not None:
+        return [axes.flat]
+    return [info for info in (axes.ulysses, axes.ring) if info is not None]
+
+
+def _fingerprint(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
+                 ulysses_degree, ring_method) -> dict[str, object]:
+    """What every rank of the group must pass identically (shapes are per rank: T_local agrees too)."""
+    tensors = (q, k, v)
+    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+    return {
+        "method": repr(method), "q of shape": shape_of(q), "k of shape": shape_of(k), "v of shape": shape_of(v),
+        "dtypes (q, k, v)": ", ".join(str(getattr(t, "dtype", None)) for t in tensors),
+        "tensors on device type": getattr(getattr(q, "device", None), "type", None),
+        "causal": repr(causal), "softmax_scale": repr(softmax_scale), "cu_seqlens": offsets_fingerprint(cu_seqlens),
+        "backend": repr(backend), "grad_comm_dtype": repr(grad_comm_dtype), "ulysses_degree": repr(ulysses_degree),
+        "ring_method": repr(ring_method), "inputs that need gradients (backward will run)": repr(grad),
+    }
 
 
 @dataclass(frozen=True)
@@ -187,22 +246,26 @@ class SequenceParallelAttention(torch.nn.Module):
     """Module form of :func:`attention`: holds the group and options, takes ``(q, k, v)``.
 
     ``forward(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], cu_seqlens=None) -> [B, T_local, Hq, D]``.
+    ``check_ranks`` as in :func:`attention` (None: the ``SEQPAR_CHECK_RANKS`` environment variable).
     """
 
     def __init__(self, *, group=None, method: str = "zigzag_ring", causal: bool = False,
                  softmax_scale: float | None = None, backend: str | None = None,
-                 ulysses_degree: int | None = None, ring_method: str | None = None):
+                 ulysses_degree: int | None = None, ring_method: str | None = None,
+                 check_ranks: bool | None = None):
         super().__init__()
         method_spec(method, argument="method", softmax_only=True)
         check_usp_options(method, ulysses_degree, ring_method)
         self.group, self.method, self.causal = group, method, causal
         self.softmax_scale, self.backend = softmax_scale, backend
         self.ulysses_degree, self.ring_method = ulysses_degree, ring_method
+        self.check_ranks = check_ranks
 
     def forward(self, q, k, v, cu_seqlens=None, stats: CommStats | None = None):
         return attention(q, k, v, group=self.group, method=self.method, causal=self.causal,
                          softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens, backend=self.backend,
-                         stats=stats, ulysses_degree=self.ulysses_degree, ring_method=self.ring_method)
+                         stats=stats, ulysses_degree=self.ulysses_degree, ring_method=self.ring_method,
+                         check_ranks=self.check_ranks)
 
     def extra_repr(self) -> str:
         return f"method={self.method!r}, causal={self.causal}"

@@ -2,10 +2,10 @@
 
 from .collectives import all_gather_stack, all_reduce_, all_to_all, reduce_scatter_stack
 from .groups import GroupInfo, group_info, resolve_group
-from .p2p import Pending, exchange, ring_shift
+from .p2p import Pending, PeerError, exchange, ring_shift
 from .stats import CommStats, nbytes
 
 __all__ = [
-    "CommStats", "GroupInfo", "Pending", "all_gather_stack", "all_reduce_", "all_to_all", "exchange",
+    "CommStats", "GroupInfo", "Pending", "PeerError", "all_gather_stack", "all_reduce_", "all_to_all", "exchange",
     "group_info", "nbytes", "reduce_scatter_stack", "resolve_group", "ring_shift",
 ]

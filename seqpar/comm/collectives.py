@@ -3,15 +3,34 @@
 Names say what they cost. Bytes counted are what *this rank sends* under the usual ring/pairwise
 algorithms: an all-gather or reduce-scatter of a local chunk of ``n`` bytes sends ``(N-1)·n``; an
 all-to-all sends everything except the part that stays local.
+
+A collective that fails because a member crashed, hung up or timed out raises
+:class:`~seqpar.comm.PeerError` naming the group's other members (a collective cannot tell which
+one failed) instead of the backend's bare error.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
 from .groups import GroupInfo
+from .p2p import PeerError, peer_error
 from .stats import CommStats, nbytes
+
+
+@contextlib.contextmanager
+def _named_failure(info: GroupInfo, name: str):
+    """Turn a backend error of the collective ``name`` into a PeerError naming the other members."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except RuntimeError as exc:  # gloo and NCCL report a dead or silent member as RuntimeError
+        me = info.global_ranks[info.rank]
+        raise peer_error(exc, info, [r for r in info.global_ranks if r != me], name) from exc
 
 
 def _all_gather_flat(out, flat, group):
@@ -28,7 +47,8 @@ def all_gather_stack(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | Non
         return x.unsqueeze(0)
     flat = x.reshape(-1)
     out = torch.empty((info.size * flat.numel(),), dtype=x.dtype, device=x.device)
-    _all_gather_flat(out, flat, info.group)
+    with _named_failure(info, name):
+        _all_gather_flat(out, flat, info.group)
     out = out.view(info.size, *x.shape)
     if stats is not None:
         stats.add(name, (info.size - 1) * nbytes(x))
@@ -43,7 +63,8 @@ def reduce_scatter_stack(info: GroupInfo, x: torch.Tensor, *, stats: CommStats |
     x = x.contiguous()
     out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # newer name first
-    fn(out, x.reshape(-1), group=info.group)
+    with _named_failure(info, name):
+        fn(out, x.reshape(-1), group=info.group)
     out = out.view(x.shape[1:])
     if stats is not None:
         stats.add(name, (info.size - 1) * nbytes(out))
@@ -61,7 +82,8 @@ def all_to_all(info: GroupInfo, x: torch.Tensor, *, input_splits: list[int] | No
         out = torch.empty_like(x)
     else:
         out = torch.empty((sum(output_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, x, output_splits, input_splits, group=info.group)
+    with _named_failure(info, name):
+        dist.all_to_all_single(out, x, output_splits, input_splits, group=info.group)
     if stats is not None:  # per peer, so busiest-link figures see it; the one exchange is one step
         row = nbytes(x[:1]) if x.shape[0] else 0
         splits = input_splits or [x.shape[0] // info.size] * info.size
@@ -78,7 +100,8 @@ def all_reduce_(info: GroupInfo, x: torch.Tensor, *, op=None, stats: CommStats |
     """In-place all-reduce (sum by default)."""
     if info.single:
         return x
-    dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=info.group)
+    with _named_failure(info, name):
+        dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=info.group)
     if stats is not None:
         stats.add(name, 2 * (info.size - 1) * nbytes(x) // info.size)
     return x

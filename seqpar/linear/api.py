@@ -6,7 +6,9 @@ import math
 
 import torch
 
+from ..comm.agreement import check_agreement, check_ranks_enabled, offsets_fingerprint, shape_of
 from ..comm.groups import group_info
+from ..packing import check_same_on_ranks
 from ..comm.stats import CommStats
 from .geometry import build_shard, check_cu_seqlens
 from .kernels import fla_refusal, select_kernel
@@ -46,9 +48,11 @@ def _validate(q, k, v, g, scale, initial_state, output_final_state, stats):
             raise ValueError(f"g: shape {tuple(g.shape)} must be [B, T_local, H, K] = {tuple(q.shape)} "
                              f"(per-key decay) or [B, T_local, H] = {tuple(q.shape[:3])} (scalar decay)")
         # Positive log-decays would make the state grow without bound; we refuse rather than clamp.
-        if bool((g > 0).any()):
-            raise ValueError(f"g: the log-decay must be <= 0 everywhere (use e.g. F.logsigmoid), "
-                             f"got a maximum of {float(g.max())}")
+        # `<= 0` is False for NaN too, so a NaN decay (which would poison every later state) is refused.
+        if not bool((g <= 0).all()):
+            bad = "NaN" if bool(g.isnan().any()) else f"a maximum of {float(g.max())}"
+            raise ValueError(f"g: the log-decay must be <= 0 everywhere, and not NaN (use e.g. F.logsigmoid), "
+                             f"got {bad}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or scale <= 0):
         raise ValueError(f"scale: expected a positive finite number or None (= K ** -0.5), got {scale!r}")
@@ -61,7 +65,8 @@ def _validate(q, k, v, g, scale, initial_state, output_final_state, stats):
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None, *,
                      group=None, method="zeco", scale: float | None = None,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-                     cu_seqlens=None, stats: CommStats | None = None, backend: str | None = None):
+                     cu_seqlens=None, stats: CommStats | None = None, backend: str | None = None,
+                     check_ranks: bool | None = None):
     """Gated linear attention over a sequence split contiguously across the ranks of ``group``.
 
     Semantics of flash-linear-attention's ``chunk_gla``, per head with state ``S [K, V]``:
@@ -95,8 +100,47 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     their gradients are summed. The gradient of ``initial_state`` comes out on the group's first rank
     (zero elsewhere), so summing it over the group (as for any replicated tensor) gives the full one.
     Computation is in float32 (float64 for float64 inputs); gradients come back in the inputs' dtypes.
+
+    ``check_ranks``: first check, with one all-gather of an 8 KB fingerprint, that every rank passed
+    the same shapes, dtypes, method, scale, initial_state shape, output_final_state and cu_seqlens
+    (:mod:`seqpar.comm.agreement`); on a mismatch, or a ValueError on some ranks only (e.g. a positive
+    ``g`` on one rank), every rank raises the same ValueError naming the rank(s) instead of hanging.
+    None (default) = the environment variable ``SEQPAR_CHECK_RANKS=1``, read at each call.
+
+    Raises ``ValueError`` naming the argument before any communication for bad input;
+    :class:`seqpar.PeerError` when a peer rank crashes or times out during the call.
     """
     info = group_info(group)
+    args = (method, scale, initial_state, output_final_state, cu_seqlens, stats, backend)
+    if not check_ranks_enabled(check_ranks):
+        prepared = _prepare(q, k, v, g, info, *args)
+        if prepared[2] is not None:  # packed: the same offsets on every rank (a 3-number all-gather, as
+            # for softmax attention); different offsets would silently mix documents across ranks
+            check_same_on_ranks(prepared[2], group, device=q.device if q.is_cuda else None)
+        return _launch(q, k, v, g, initial_state, *prepared)
+    error = prepared = None
+    try:
+        prepared = _prepare(q, k, v, g, info, *args)
+    except Exception as exc:  # re-raised after the gather; the other ranks raise naming this one
+        error = exc
+    check_agreement(info, "seqpar.linear_attention", _fingerprint(q, k, v, g, *args), error,
+                    device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
+    return _launch(q, k, v, g, initial_state, *prepared)
+
+
+def _fingerprint(q, k, v, g, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend):
+    """What every rank of the group must pass identically."""
+    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, g, initial_state))
+    return {"method": repr(method), "q of shape": shape_of(q), "k of shape": shape_of(k), "v of shape": shape_of(v),
+            "g of shape": shape_of(g), "dtypes (q, k, v, g)": ", ".join(str(getattr(t, "dtype", None))
+                                                                      for t in (q, k, v, g)),
+            "initial_state of shape": shape_of(initial_state), "scale": repr(scale),
+            "output_final_state": repr(output_final_state), "cu_seqlens": offsets_fingerprint(cu_seqlens),
+            "backend": repr(backend), "inputs that need gradients (backward will run)": repr(grad)}
+
+
+def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend):
+    """Every local check (no communication); returns what :func:`_launch` needs."""
     _validate(q, k, v, g, scale, initial_state, output_final_state, stats)
     plan = resolve_plan(method)
     bsz, t_local, hh, kd = q.shape
@@ -112,6 +156,11 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                              f"{tuple(initial_state.shape)}")
     scale = float(kd ** -0.5 if scale is None else scale)
     kernel = select_kernel(q, backend)
+    return info, plan, cu, scale, kernel, output_final_state, stats, backend
+
+
+def _launch(q, k, v, g, initial_state, info, plan, cu, scale, kernel, output_final_state, stats, backend):
+    bsz, t_local = q.shape[:2]
     if info.single and backend is None and fla_refusal(q) is None:
         return _fla_single(q, k, v, g, scale, initial_state, output_final_state, cu)
     shard = build_shard(info.rank, info.size, bsz, t_local, cu)
