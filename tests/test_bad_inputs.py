@@ -288,8 +288,6 @@ def test_bad_input_local_entry_points(name, tmp_path):
         fn(tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="seqpar.schedulers: a NaN length raises int()'s bare 'cannot convert "
-                                       "float NaN to integer', which does not name seq_lens (reported)")
 def test_plan_batch_nan_length_names_the_argument():
     with pytest.raises(ValueError, match="seq_lens"):
         plan_batch([100, float("nan")], _cluster())

@@ -94,7 +94,8 @@ def test_cost_ulysses_and_ring_formulas():
     comp = m.alpha1 * s * s / d + m.alpha2 * s / d + m.beta1
     uly = (d - 1) / d * s / d * (2 * h + 2 * hk) * e * 2 * L / c.inter_node_bandwidth + 8 * L * c.latency_inter
     assert CM.time("ulysses", d, [s], c) == pytest.approx(comp + uly, rel=1e-12)
-    ring_comm = (d - 1) / d * s * 2 * hk * e * 3 * L / c.inter_node_bandwidth
+    # K,V (d-1) hops fwd and bwd + d hops of the dK,dV accumulators (input dtype by default: e)
+    ring_comm = ((d - 1) / d * 2 * e + e) * s * 2 * hk * L / c.inter_node_bandwidth
     z = CM.coeffs("zigzag_ring")
     want = z.beta1 + 2 * (d - 1) * L * c.latency_inter + z.alpha2 * s / d + max(z.alpha1 * s * s / d, ring_comm)
     assert CM.time("zigzag_ring", d, [s], c) == pytest.approx(want, rel=1e-12)

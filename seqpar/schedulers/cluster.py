@@ -5,11 +5,21 @@ groups are power-of-two blocks of ranks on aligned ranges (a group of size ``d``
 of ``d``). With ``ranks_per_node`` a power of two, an aligned block of size ``d <= ranks_per_node``
 lies inside one node and a larger one is made of whole nodes, so the link a group uses depends only
 on its size: :meth:`ClusterSpec.bandwidth` and :meth:`ClusterSpec.latency` take the group size.
+
+Measured machines (``seqpar calibrate``, :mod:`.calibrate`) add three things a datasheet does not give:
+per-size measured links (``measured_links``: point-to-point, all-to-all and all-gather bandwidth and latency of an
+aligned group of each size, which override the intra/inter constants), the fraction of overlappable
+communication that really hides under compute (``overlap_factor``), and the compute slowdown when
+several ranks share the cores of one node (``compute_slowdown_by_ranks`` / ``cores``: on a 2-core CPU,
+8 single-thread ranks each compute about 4x slower than one rank alone; GPUs have a device per rank).
+
+Named bandwidth profiles for the simulator (``seqpar simulate``) are in :data:`PROFILES`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields, replace
 
 
 def is_power_of_two(n: int) -> bool:
@@ -32,6 +42,7 @@ H100_INTER_NODE_BANDWIDTH = 45e9
 H100_LATENCY_INTRA = 8e-6
 H100_LATENCY_INTER = 15e-6
 H100_MEMORY = 80e9
+LINK_KINDS = ("p2p", "all_to_all", "all_gather")
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,16 @@ class ClusterSpec:
         memory_per_rank: bytes of device memory per rank.
         latency_intra: seconds of fixed cost per message / collective step inside a node.
         latency_inter: the same across nodes.
+        cores: compute units shared by the ranks of one node (CPU cores); 0 means one device per
+            rank (GPUs), so ranks never slow each other's compute.
+        compute_slowdown_by_ranks: measured ``((k, factor), ...)``: compute time of a kernel when k
+            ranks of one node run it at once, over its time on one rank alone (``seqpar calibrate``).
+        measured_links: measured ``((group_size, kind, bytes_per_s, latency_s), ...)`` with kind
+            ``"p2p"`` (ring exchange: every rank sends to its successor; bytes = sent per rank),
+            ``"all_to_all"`` (bytes = sent per rank) or ``"all_gather"`` (bytes = received per rank);
+            an entry overrides the intra/inter constants for its size and kind.
+        overlap_factor: fraction (0..1) of the communication a method overlaps with compute that
+            actually hides behind it (1 = perfect, the GPU default; measured on CPU gloo).
 
     The default numbers (see :meth:`h100`) are for 8x H100 SXM per node (NVLink 4 + NVSwitch) and one
     400 Gb/s NDR InfiniBand NIC per GPU; the reasoning is next to the constants in this module.
@@ -60,6 +81,10 @@ class ClusterSpec:
     memory_per_rank: float = H100_MEMORY
     latency_intra: float = H100_LATENCY_INTRA
     latency_inter: float = H100_LATENCY_INTER
+    cores: float = 0.0
+    compute_slowdown_by_ranks: tuple[tuple[int, float], ...] = ()
+    measured_links: tuple[tuple[int, str, float, float], ...] = ()
+    overlap_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("world_size", "ranks_per_node"):
@@ -83,6 +108,40 @@ class ClusterSpec:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ValueError(f"{name}: expected a non-negative finite number of seconds, got {value!r}")
+        if isinstance(self.cores, bool) or not isinstance(self.cores, (int, float)) or not 0 <= self.cores < math.inf:
+            raise ValueError(f"cores: expected a non-negative finite number (0 = one device per rank), got "
+                             f"{self.cores!r}")
+        if isinstance(self.overlap_factor, bool) or not isinstance(self.overlap_factor, (int, float)) \
+                or not 0 <= self.overlap_factor <= 1:
+            raise ValueError(f"overlap_factor: expected a number in [0, 1], got {self.overlap_factor!r}")
+        table = []
+        for entry in self.compute_slowdown_by_ranks:
+            try:
+                k, factor = entry
+            except (TypeError, ValueError):
+                raise ValueError(f"compute_slowdown_by_ranks: expected (ranks, factor) pairs, got {entry!r}") from None
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1 or not isinstance(factor, (int, float)) \
+                    or isinstance(factor, bool) or not 0 < factor < math.inf:
+                raise ValueError(f"compute_slowdown_by_ranks: entry {entry!r} needs a positive integer rank count "
+                                 f"and a positive finite factor")
+            table.append((int(k), float(factor)))
+        object.__setattr__(self, "compute_slowdown_by_ranks", tuple(sorted(table)))
+        links = []
+        for entry in self.measured_links:
+            try:
+                size, kind, bw, lat = entry
+            except (TypeError, ValueError):
+                raise ValueError(f"measured_links: expected (group_size, kind, bytes_per_s, latency_s), "
+                                 f"got {entry!r}") from None
+            if not is_power_of_two(size) or kind not in LINK_KINDS:
+                raise ValueError(f"measured_links: entry {entry!r} needs a power-of-two group size and a kind "
+                                 f"in {LINK_KINDS}")
+            if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < math.inf:
+                raise ValueError(f"measured_links: bandwidth of {entry!r} must be positive and finite")
+            if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < math.inf:
+                raise ValueError(f"measured_links: latency of {entry!r} must be non-negative and finite")
+            links.append((int(size), str(kind), float(bw), float(lat)))
+        object.__setattr__(self, "measured_links", tuple(sorted(links)))
 
     @classmethod
     def h100(cls, world_size: int = 8, ranks_per_node: int = 8) -> "ClusterSpec":
@@ -107,15 +166,72 @@ class ClusterSpec:
         """True when an aligned group of this size stays inside one node."""
         return group_size <= self.ranks_per_node
 
-    def bandwidth(self, group_size: int) -> float:
-        """Bytes/s per rank and direction for a group of ``group_size`` ranks (intra if it fits a node)."""
+    def bandwidth(self, group_size: int, kind: str = "p2p") -> float:
+        """Bytes/s per rank and direction for a group of ``group_size`` ranks (intra if it fits a node).
+
+        ``kind`` is ``"p2p"`` (ring exchanges), ``"all_to_all"`` or ``"all_gather"``; they differ only
+        where :attr:`measured_links` has an entry for this size.
+        """
         self._check_size(group_size)
+        link = self._link(group_size, kind)
+        if link is not None:
+            return link[2]
         return self.intra_node_bandwidth if self.intra_node(group_size) else self.inter_node_bandwidth
 
-    def latency(self, group_size: int) -> float:
+    def latency(self, group_size: int, kind: str = "p2p") -> float:
         """Seconds of fixed cost per message or collective step inside a group of this size."""
         self._check_size(group_size)
+        link = self._link(group_size, kind)
+        if link is not None:
+            return link[3]
         return self.latency_intra if self.intra_node(group_size) else self.latency_inter
+
+    def compute_slowdown(self, active_ranks: int | None = None) -> float:
+        """Factor (>= 1 on shared cores) by which each rank's compute is slower when ``active_ranks``
+        ranks (default: the whole world) compute at once, counted per node.
+
+        A measured entry of :attr:`compute_slowdown_by_ranks` wins; beyond the largest measured count
+        the factor grows in proportion to the ranks (cores are already shared); without measurements
+        it is ``max(1, ranks / cores)``; with ``cores == 0`` (a device per rank) it is 1.
+        """
+        n = self.world_size if active_ranks is None else active_ranks
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"active_ranks: expected a positive integer, got {active_ranks!r}")
+        k = min(n, self.ranks_per_node)
+        table = dict(self.compute_slowdown_by_ranks)
+        if k in table:
+            return table[k]
+        below = [m for m in table if m <= k]
+        if below:
+            m = max(below)
+            return table[m] * max(1.0, k / (max(m, self.cores) if self.cores else m))
+        return max(1.0, k / self.cores) if self.cores else 1.0
+
+    def with_world_size(self, world_size: int) -> "ClusterSpec":
+        """The same machine with another number of ranks (validated like the constructor)."""
+        return replace(self, world_size=world_size)
+
+    @classmethod
+    def from_dict(cls, data: dict, *, source: str = "cluster") -> "ClusterSpec":
+        """Build from :meth:`to_dict` output (JSON lists become tuples); ValueError naming the field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected an object of ClusterSpec fields")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
+        if "world_size" not in data:
+            raise ValueError(f"{source}: field 'world_size' is missing")
+        kwargs = dict(data)
+        for name in ("compute_slowdown_by_ranks", "measured_links"):
+            if name in kwargs:
+                if not isinstance(kwargs[name], (list, tuple)):
+                    raise ValueError(f"{source}: {name}: expected a list of entries")
+                kwargs[name] = tuple(tuple(e) if isinstance(e, (list, tuple)) else e for e in kwargs[name])
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: {exc}") from None
 
     def aligned_blocks(self, group_size: int) -> tuple[int, ...]:
         """Start ranks of the aligned blocks of ``group_size`` ranks that fit in the world."""
@@ -126,7 +242,79 @@ class ClusterSpec:
         """Plain dict (JSON-friendly) of the fields."""
         return asdict(self)
 
+    def _link(self, group_size: int, kind: str):
+        if kind not in LINK_KINDS:
+            raise ValueError(f"kind={kind!r}: expected one of {LINK_KINDS}")
+        for entry in self.measured_links:
+            if entry[0] == group_size and entry[1] == kind:
+                return entry
+        return None
+
     def _check_size(self, group_size: int) -> None:
         if not is_power_of_two(group_size) or group_size > self.world_size:
             raise ValueError(
                 f"group_size={group_size!r} must be a power of two no larger than world_size={self.world_size}")
+
+
+# ----------------------------------------------------------------------------- named profiles
+@dataclass(frozen=True)
+class BandwidthProfile:
+    """A named machine for ``seqpar simulate``: links per GPU and the GPU's effective FLOP rates.
+
+    Bandwidths are bytes/s per GPU and direction that collectives reach on large messages (not the
+    datasheet peak); ``attention_flops`` / ``gemm_flops`` feed :meth:`CostModel.default`.
+    """
+
+    name: str
+    description: str
+    ranks_per_node: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    latency_intra: float
+    latency_inter: float
+    memory_per_rank: float
+    attention_flops: float
+    gemm_flops: float
+
+    def cluster(self, world_size: int) -> ClusterSpec:
+        """The :class:`ClusterSpec` of ``world_size`` GPUs of this kind."""
+        return ClusterSpec(world_size=world_size, ranks_per_node=self.ranks_per_node,
+                           intra_node_bandwidth=self.intra_node_bandwidth,
+                           inter_node_bandwidth=self.inter_node_bandwidth, memory_per_rank=self.memory_per_rank,
+                           latency_intra=self.latency_intra, latency_inter=self.latency_inter)
+
+
+PROFILES: dict[str, BandwidthProfile] = {p.name: p for p in (
+    # DGX/HGX H100: NVLink 4 through NVSwitch, 18 links x 25 GB/s = 450 GB/s per direction per GPU
+    # (NVIDIA H100 datasheet); nccl-tests all-reduce/all-to-all busbw on DGX H100 is ~350-370 GB/s: 360e9.
+    # One ConnectX-7 NDR NIC per GPU, 400 Gb/s = 50 GB/s per direction, NCCL reaches ~90%: 45e9.
+    # Compute as in cost.py: 400 TFLOP/s flash attention fwd+bwd, 450 TFLOP/s GEMMs (bf16).
+    BandwidthProfile("h100-nvlink-ib", "8x H100 SXM per node, NVSwitch 450 GB/s/dir, 400 Gb/s IB per GPU",
+                     8, H100_INTRA_NODE_BANDWIDTH, H100_INTER_NODE_BANDWIDTH, H100_LATENCY_INTRA,
+                     H100_LATENCY_INTER, H100_MEMORY, 400e12, 450e12),
+    # HGX H200: the same NVLink 4 / NVSwitch fabric and the same 400 Gb/s ConnectX-7 per GPU as H100
+    # (NVIDIA H200 datasheet), 141 GB HBM3e at 4.8 TB/s. Same dense bf16 peak (989 TFLOP/s); the faster
+    # memory helps attention a little: 420 TFLOP/s attention, 450 GEMMs.
+    BandwidthProfile("h200-nvlink-ib", "8x H200 SXM per node, NVSwitch 450 GB/s/dir, 400 Gb/s IB per GPU",
+                     8, H100_INTRA_NODE_BANDWIDTH, H100_INTER_NODE_BANDWIDTH, H100_LATENCY_INTRA,
+                     H100_LATENCY_INTER, 141e9, 420e12, 450e12),
+    # DGX A100: NVLink 3, 12 links x 25 GB/s = 300 GB/s per direction (A100 datasheet); nccl-tests busbw
+    # ~230-240 GB/s: 240e9. One HDR 200 Gb/s NIC per GPU = 25 GB/s, ~90%: 22.5e9. A100 bf16 peak is
+    # 312 TFLOP/s; FlashAttention-2 reaches ~190 TFLOP/s fwd+bwd (FA2 paper), GEMMs ~50% MFU: 160.
+    BandwidthProfile("a100-nvlink-ib", "8x A100 SXM per node, NVSwitch 300 GB/s/dir, 200 Gb/s IB per GPU",
+                     8, 240e9, 22.5e9, 10e-6, 20e-6, 80e9, 190e12, 160e12),
+    # 8 GPUs on PCIe Gen4 x16 (32 GB/s per direction nominal), peer-to-peer through PCIe switches and the
+    # host bridge: ~20 GB/s when all GPUs talk at once. 100 Gb/s Ethernet/RoCE per node shared by its 8
+    # GPUs would be 1.5 GB/s each; we assume one 100 Gb/s NIC per 2 GPUs (~5.5 GB/s each after
+    # overheads). A100-80GB-PCIe-class compute.
+    BandwidthProfile("pcie", "8x A100 PCIe per node, PCIe Gen4 P2P ~20 GB/s, 100 Gb/s Ethernet per 2 GPUs",
+                     8, 20e9, 5.5e9, 15e-6, 25e-6, 80e9, 190e12, 160e12),
+)}
+
+
+def get_profile(name: str) -> BandwidthProfile:
+    """The named profile; ValueError listing the known names otherwise."""
+    try:
+        return PROFILES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"profile={name!r} is not known; choose from {', '.join(PROFILES)}") from None

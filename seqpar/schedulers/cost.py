@@ -17,6 +17,7 @@ Every formula is linear in (S1, S2) inside the max, so the MILP of :mod:`.milp` 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
@@ -48,6 +49,21 @@ GPU_ATTENTION_FLOPS = 400e12
 GPU_GEMM_FLOPS = 450e12
 GPU_BETA1 = 1e-3
 GPU_M_MODEL = 12e9
+
+
+def method_buffers(method: str, hidden: int, kv_hidden: int, n_heads: int, e: int) -> tuple[float, float]:
+    """Extra bytes per token a method holds: (divided over the group, held in full by every rank).
+
+    Ulysses/USP: full-length q, k, v, out of H/d heads; ring family and LightSeq: a K,V double buffer;
+    TokenRing: q in flight and fp32 partial outputs; all-gather KV: the gathered K,V and fp32 dK,dV.
+    """
+    return {
+        "ulysses": (2 * (hidden + kv_hidden) * e, 0.0), "usp": (2 * (hidden + kv_hidden) * e, 0.0),
+        "ring": (4 * kv_hidden * e, 0.0), "zigzag_ring": (4 * kv_hidden * e, 0.0),
+        "striped_ring": (4 * kv_hidden * e, 0.0), "lightseq": (4 * kv_hidden * e, 0.0),
+        "token_ring": (4 * (hidden + n_heads) * 4, 0.0),
+        "allgather_kv": (0.0, 2 * kv_hidden * e + 2 * kv_hidden * 4),
+    }.get(method, (0.0, 0.0))
 
 
 @dataclass(frozen=True)
@@ -114,6 +130,10 @@ class CostModel:
     methods: ``((name, MethodCost), ...)`` in order of preference (ties go to the earlier one).
     hidden: d = Hq·D; kv_hidden: d_kv = Hkv·D; layers; n_heads: Hq (Ulysses needs Hq % group == 0);
     bytes_per_element: of activations on the wire (2 for bf16).
+    grad_bytes_per_element: of the gradient accumulators that travel in backward (ring dK,dV,
+        TokenRing dq, all-gather KV's reduce-scatter). Default: ``bytes_per_element``, i.e.
+        ``grad_comm_dtype="input"`` (what bf16 training on GPUs uses); seqpar's own default sends
+        them in fp32: 4 (``seqpar calibrate`` records what it measured with).
     """
 
     methods: tuple[tuple[str, MethodCost], ...]
@@ -122,9 +142,12 @@ class CostModel:
     layers: int = 32
     n_heads: int = 32
     bytes_per_element: int = 2
+    grad_bytes_per_element: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "kv_hidden", "layers", "n_heads", "bytes_per_element"):
+        if self.grad_bytes_per_element is None:
+            object.__setattr__(self, "grad_bytes_per_element", self.bytes_per_element)
+        for name in ("hidden", "kv_hidden", "layers", "n_heads", "bytes_per_element", "grad_bytes_per_element"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -163,19 +186,11 @@ class CostModel:
         head_dim = hidden // n_heads
         m_token = e * hidden * layers + 36 * hidden
         linear_attn = (2 * 64 + 4 * head_dim) * hidden * 3.5 * layers / (attention_flops / 2)
-        extra = {  # per-method buffers, bytes per token
-            "ulysses": (2 * (hidden + kv_hidden) * e, 0.0),  # full-length q,k,v,out of H/d heads
-            "usp": (2 * (hidden + kv_hidden) * e, 0.0),
-            "ring": (4 * kv_hidden * e, 0.0), "zigzag_ring": (4 * kv_hidden * e, 0.0),  # KV double buffer
-            "striped_ring": (4 * kv_hidden * e, 0.0), "lightseq": (4 * kv_hidden * e, 0.0),
-            "token_ring": (4 * (hidden + n_heads) * 4, 0.0),  # q in flight + fp32 partial outputs
-            "allgather_kv": (0.0, 2 * kv_hidden * e + 2 * kv_hidden * 4),  # gathered K,V + fp32 dK,dV
-        }
         out = []
         for name in methods:
             if name not in KNOWN_METHODS:
                 raise ValueError(f"methods: unknown method {name!r}; known: {', '.join(KNOWN_METHODS)}")
-            tok, full = extra.get(name, (0.0, 0.0))
+            tok, full = method_buffers(name, hidden, kv_hidden, n_heads, e)
             linear = name in LINEAR_METHODS
             out.append((name, MethodCost(alpha1=0.0 if linear else alpha1,
                                          alpha2=alpha2 + (linear_attn if linear else 0.0),
@@ -210,6 +225,10 @@ class CostModel:
     def group_coeffs(self, method: str, group_size: int, cluster: ClusterSpec) -> GroupCoeffs:
         """Time and memory coefficients of ``method`` on an aligned group of ``group_size`` ranks.
 
+        Compute (alpha2, beta1) is multiplied by ``cluster.compute_slowdown()`` (ranks sharing cores;
+        1 on GPUs) and the attention term by :func:`attention_factor` (imbalance and core sharing).
+        Of the communication a method overlaps, the fraction ``cluster.overlap_factor`` hides under
+        the attention compute and the rest adds up.
         Raises ValueError when the method cannot run at this size (see :meth:`supports`).
         """
         c = self.coeffs(method)
@@ -219,49 +238,81 @@ class CostModel:
         if not self.supports(method, d):
             raise ValueError(f"group_size={d}: ulysses needs n_heads={self.n_heads} divisible by the group size; "
                              f"use usp (Ulysses inside a node, ring across) for larger groups")
-        imbalance = 2 * d / (d + 1) if method == "ring" else 1.0  # contiguous causal: N blocks vs (N+1)/2
+        slow = cluster.compute_slowdown()
         lin_comm, overlap, const_comm = self._comm_terms(method, d, cluster)
-        s = c.comm_scale
-        return GroupCoeffs(const=c.beta1 + s * const_comm, lin=c.alpha2 / d + s * lin_comm,
-                           quad=c.alpha1 * imbalance / d, overlap=s * overlap, mem_const=c.m_model,
-                           mem_lin=c.m_token / d + (c.m_token_full if d > 1 else 0.0))
+        s, o = c.comm_scale, cluster.overlap_factor
+        return GroupCoeffs(const=slow * c.beta1 + s * const_comm,
+                           lin=slow * c.alpha2 / d + s * (lin_comm + (1 - o) * overlap),
+                           quad=c.alpha1 * attention_factor(method, d, slow) / d, overlap=s * o * overlap,
+                           mem_const=c.m_model, mem_lin=c.m_token / d + (c.m_token_full if d > 1 else 0.0))
 
-    def _comm_terms(self, method: str, d: int, cluster: ClusterSpec) -> tuple[float, float, float]:
-        """(seconds per token not overlapped, seconds per token overlapped, constant seconds), all layers.
+    def comm_parts(self, method: str, d: int, cluster: ClusterSpec) -> tuple[list[tuple], float]:
+        """Communication of one step, all layers, fwd+bwd, per rank of a group of ``d``.
 
-        Volumes per rank from ALGORITHMS.md §8 with c = S1/d tokens per rank; backward counted as
-        twice the forward traffic for the ring family, TokenRing and LightSeq (K,V travel again with
-        dK,dV behind them) and as equal to it for Ulysses (four all-to-alls each way).
+        Returns ``(parts, latency_seconds)``; each part is ``(bytes_per_token, const_bytes, overlapped,
+        link_size, kind)``: ``bytes_per_token·S1 + const_bytes`` bytes a rank sends (``all_gather``:
+        receives) over the link of an aligned group of ``link_size`` ranks, measured as ``kind``
+        (see :meth:`ClusterSpec.bandwidth`). Volumes are what seqpar's implementations send (causal,
+        docs/methods.md, asserted byte for byte by their tests through ``CommStats``) with c = S1/d
+        tokens per rank: the ring family sends K,V d-1 hops forward, again in backward, plus d hops
+        of the fp32 dK,dV accumulators; all-gather KV gathers K,V twice and reduce-scatters fp32
+        dK,dV; Ulysses' all-to-alls move the same volume in backward as forward; TokenRing and
+        LightSeq count the busiest rank's sends of their causal schedules (:func:`_schedule_bytes`).
         """
         if d == 1:
-            return 0.0, 0.0, 0.0
+            return [], 0.0
         h, hk, H, L, e = self.hidden, self.kv_hidden, self.n_heads, self.layers, self.bytes_per_element
-        bw, lat, f = cluster.bandwidth(d), cluster.latency(d), (d - 1) / d
+        acc = self.grad_bytes_per_element
+        f = (d - 1) / d
+        lat = cluster.latency(d)
         if method == "ulysses":  # (d-1)/d·c·(2h+2hk) per pass, fwd + bwd, not overlapped
-            return f * (2 * h + 2 * hk) * e / d * 2 * L / bw, 0.0, 8 * L * lat
-        if method in _RING_FAMILY:  # 2(d-1)·c·hk = 2·f·S1·hk forward, x3 with backward, overlapped
-            return 0.0, f * 2 * hk * e * 3 * L / bw, 2 * (d - 1) * L * lat
-        if method == "allgather_kv":  # same volume as the ring, not overlapped, 3 collectives
-            return f * 2 * hk * e * 3 * L / bw, 0.0, 3 * L * lat
-        if method == "token_ring":  # busiest direction: Q fwd (h) + bwd bundle (2h+2H); causal x0.75
-            return 0.0, 0.75 * f * (3 * h + 2 * H) * e * L / bw, 2 * (d - 1) * L * lat
-        if method == "lightseq":  # d//2 steps; busiest rank gets kv (2hk) + helper output (h+H)
-            return 0.0, (d // 2) / d * (2 * hk + h + H) * e * 3 * L / bw, 2 * (d // 2 + 1) * L * lat
+            return [(f * (2 * h + 2 * hk) * e / d * 2 * L, 0.0, False, d, "all_to_all")], \
+                8 * L * cluster.latency(d, "all_to_all")
+        if method in _RING_FAMILY:  # K,V (d-1)·c·2hk fwd and bwd + d·c·2hk fp32 dK,dV; overlapped
+            return [((2 * f * e + acc) * 2 * hk * L, 0.0, True, d, "p2p")], 2 * (d - 1) * L * lat
+        if method == "allgather_kv":  # gather K,V fwd and bwd, reduce-scatter fp32 dK,dV; not overlapped
+            return [(f * 2 * hk * (2 * e + acc) * L, 0.0, False, d, "all_gather")], \
+                3 * L * cluster.latency(d, "all_gather")
+        if method in ("token_ring", "lightseq"):  # busiest rank of the causal schedule, overlapped
+            per_c = _schedule_bytes(method, d, H, hk // (h // H), h // H, e, acc)
+            steps = d - 1 if method == "token_ring" else d // 2
+            return [(per_c / d * L, 0.0, True, d, "p2p")], 2 * (steps + 1) * L * lat
         if method == "usp":  # Ulysses over u ranks inside a node, ring over r = d/u across
             u = min(d, cluster.ranks_per_node)
             while H % u:
                 u //= 2
             r = d // u
-            uly = (u - 1) / u * (2 * h + 2 * hk) * e / d * 2 * L / cluster.bandwidth(u) if u > 1 else 0.0
-            ring = (r - 1) / r * 2 * hk / u * e * 3 * L / bw if r > 1 else 0.0
-            const = (8 * L * cluster.latency(u) if u > 1 else 0.0) + 2 * (r - 1) * L * lat
-            return uly, ring, const
+            parts = []
+            if u > 1:
+                parts.append(((u - 1) / u * (2 * h + 2 * hk) * e / d * 2 * L, 0.0, False, u, "all_to_all"))
+            if r > 1:
+                parts.append(((2 * (r - 1) / r * e + acc) * 2 * hk / u * L, 0.0, True, d, "p2p"))
+            return parts, (8 * L * cluster.latency(u, "all_to_all") if u > 1 else 0.0) + 2 * (r - 1) * L * lat
         head_dim = h // H
         if method == "zeco":  # one state H·K·V = h·head_dim per layer and pass, pipelined chain
-            return 0.0, 0.0, 2 * L * (h * head_dim * e / bw + (d - 1) * lat)
+            return [(0.0, 2 * L * h * head_dim * e, False, d, "p2p")], 2 * L * (d - 1) * lat
         if method == "lasp2":  # all-gather of (d-1)·H·K·(V+1) per layer and pass
-            return 0.0, 0.0, 2 * L * ((d - 1) * h * (head_dim + 1) * e / bw + lat)
+            return [(0.0, 2 * L * (d - 1) * h * (head_dim + 1) * e, False, d, "all_gather")], \
+                2 * L * cluster.latency(d, "all_gather")
         raise ValueError(f"method={method!r} has no communication model")
+
+    def comm_bytes(self, method: str, group_size: int, tokens: float, cluster: ClusterSpec) -> float:
+        """Bytes one rank sends (all-gather: receives) in one step of a group holding ``tokens`` in all."""
+        parts, _ = self.comm_parts(method, group_size, cluster)
+        return sum(per_tok * tokens + const for per_tok, const, *_ in parts)
+
+    def _comm_terms(self, method: str, d: int, cluster: ClusterSpec) -> tuple[float, float, float]:
+        """(seconds per token not overlapped, seconds per token overlapped, constant seconds), all layers."""
+        parts, const = self.comm_parts(method, d, cluster)
+        lin = over = 0.0
+        for per_tok, const_bytes, overlapped, size, kind in parts:
+            bw = cluster.bandwidth(size, kind)
+            const += const_bytes / bw
+            if overlapped:
+                over += per_tok / bw
+            else:
+                lin += per_tok / bw
+        return lin, over, const
 
     def time(self, method: str, group_size: int, seq_lens: Sequence[int], cluster: ClusterSpec) -> float:
         """Modelled step time (seconds, fwd+bwd, all layers) of a group running ``seq_lens`` packed."""
@@ -282,7 +333,8 @@ class CostModel:
         """JSON-friendly dict: ``{"format", "version", "model": {...}, "methods": {name: {...}}}``."""
         return {"format": "seqpar-cost-model", "version": 1,
                 "model": {"hidden": self.hidden, "kv_hidden": self.kv_hidden, "layers": self.layers,
-                          "n_heads": self.n_heads, "bytes_per_element": self.bytes_per_element},
+                          "n_heads": self.n_heads, "bytes_per_element": self.bytes_per_element,
+                          "grad_bytes_per_element": self.grad_bytes_per_element},
                 "methods": {n: asdict(c) for n, c in self.methods}}
 
     def to_json(self) -> str:
@@ -296,7 +348,10 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: dict, *, source: str = "cost model",
                   required: Iterable[str] = ()) -> "CostModel":
-        """Build from :meth:`to_dict` output; ValueError naming ``source`` and the faulty method/key."""
+        """Build from :meth:`to_dict` output (or a ``seqpar calibrate`` file, whose ``cost_model`` part is
+        used); ValueError naming ``source`` and the faulty method/key."""
+        if isinstance(data, dict) and data.get("format") == "seqpar-calibration" and "cost_model" in data:
+            data = data["cost_model"]
         if not isinstance(data, dict) or not isinstance(data.get("methods"), dict):
             raise ValueError(f"{source}: expected an object with a 'methods' object")
         model = data.get("model", {})
@@ -346,13 +401,78 @@ class CostModel:
         return replace(self, methods=tuple((n, self.coeffs(n)) for n in names))
 
 
+@functools.lru_cache(maxsize=4096)
+def _schedule_bytes(method: str, n: int, hq: int, hkv: int, head_dim: int, e: int, acc: int) -> float:
+    """Bytes the busiest rank sends in one causal fwd+bwd with c = 1 token per rank (scale by c).
+
+    token_ring (zigzag, queries toward r-1, ALGORITHMS.md §2): rank r sends q_rows query rows (fwd:
+    q; bwd: q, dout, fp32 lse and delta) and out_rows partial rows (fwd: out + fp32 lse; bwd: fp32 dq)
+    with q_rows = (n-1)/2 for r = 0 else (n-r) + (r-1)/2, out_rows = (n-1-r) + r/2.
+    lightseq (§3): at t = 1..n//2 a rank sends K,V forward if r+t < n, else its queries to a helper
+    (when helpers work, n-t > t); a helper returns (out, lse) and dq; bwd returns dK,dV (fp32).
+    """
+    q, lse, kv = hq * head_dim, hq, 2 * hkv * head_dim
+    best = 0.0
+    for r in range(n):
+        if method == "token_ring":
+            q_rows = (n - 1) / 2 if r == 0 else (n - r) + (r - 1) / 2
+            out_rows = (n - 1 - r) + r / 2
+            sent = q_rows * (q * e + 2 * q * e + 2 * lse * 4) + out_rows * (q * e + lse * 4 + q * acc)
+        else:
+            sent = 0.0
+            for t in range(1, n // 2 + 1):
+                helpers = t < n - t
+                if r + t < n:
+                    sent += 2 * kv * e
+                elif helpers:
+                    sent += q * e + 2 * q * e + 2 * lse * 4
+                if r >= t:
+                    sent += kv * acc
+                elif helpers:
+                    sent += q * e + lse * 4 + q * acc
+        best = max(best, sent)
+    return best
+
+
+def attention_factor(method: str, d: int, slowdown: float = 1.0) -> float:
+    """Slowest rank's attention time over the perfectly divided single-rank time ``α1·S2/d``.
+
+    With a device per rank (``slowdown == 1``) it is the schedule's :func:`causal_imbalance`. When
+    the d ranks share cores (each computing ``slowdown`` times slower when all are busy), a rank
+    with less work finishes early and frees its core: the slowest rank then needs about
+    ``max(its own work, the node's total work / effective cores)`` = ``max(imbalance, slowdown)``
+    times the average work, not their product (contiguous ring on 8 ranks and 2 cores runs at the
+    speed of the total work, its imbalance hidden by the oversubscription).
+    """
+    return max(causal_imbalance(method, d), slowdown)
+
+
+def causal_imbalance(method: str, d: int) -> float:
+    """Slowest rank's causal attention work over the average (the schedule bound is its inverse).
+
+    ring (contiguous): the last rank computes its diagonal (half a block) and d-1 full blocks while the
+    average is d/2 blocks: (2d-1)/d. lightseq, even d: d/2 steps plus the diagonal against d/2 blocks
+    of average work: (d+1)/d (odd d is balanced). The zigzag/striped layouts and Ulysses balance.
+    """
+    if d <= 1:
+        return 1.0
+    if method == "ring":
+        return (2 * d - 1) / d
+    if method == "lightseq" and d % 2 == 0:
+        return (d + 1) / d
+    return 1.0
+
+
 def _check_lens(seq_lens: Sequence[int], *, allow_empty: bool = False, argument: str = "seq_lens") -> list[int]:
     """Validate sequence lengths (positive integers); ValueError naming ``argument``."""
     if isinstance(seq_lens, (str, bytes)) or not hasattr(seq_lens, "__iter__"):
         raise ValueError(f"{argument}: expected a sequence of positive integers, got {type(seq_lens).__name__}")
     raw = list(seq_lens)
-    if any(isinstance(s, bool) or not isinstance(s, numbers.Real) or s != int(s) for s in raw):
-        bad = next(s for s in raw if isinstance(s, bool) or not isinstance(s, numbers.Real) or s != int(s))
+    def whole(s) -> bool:  # NaN and infinities are Real but not whole numbers of tokens
+        return (not isinstance(s, bool) and isinstance(s, numbers.Real) and math.isfinite(s) and s == int(s))
+
+    if not all(whole(s) for s in raw):
+        bad = next(s for s in raw if not whole(s))
         raise ValueError(f"{argument}: lengths must be whole numbers of tokens, got {bad!r}")
     lens = [int(s) for s in raw]
     if not lens and not allow_empty:

@@ -1,0 +1,397 @@
+"""``seqpar calibrate``: measure the cost model's coefficients on this machine (ALGORITHMS.md §7).
+
+API (stable; the scheduler codes against it)::
+
+    from seqpar.schedulers.calibrate import calibrate, load_calibration
+
+    cluster, cost = calibrate(nproc=4, methods=None, seq_lens=None, heads=8, kv_heads=None,
+                              head_dim=32, layers=1, quick=False, repeats=None, out=None,
+                              progress=True)              # -> (ClusterSpec, CostModel)
+    cluster, cost = load_calibration("calib.json")      # -> (ClusterSpec, CostModel)
+    plan = plan_batch(seq_lens, cluster.with_world_size(4), cost)
+
+``calibrate`` spawns ``nproc`` local CPU ranks (gloo, one thread each, the persistent pools of
+:mod:`seqpar.testing`); under ``torchrun`` it uses the launched ranks instead (every rank calls it;
+CUDA devices when available, ``nproc`` ignored) and only rank 0 writes ``out``. It measures, in
+phases (one progress-bar step each):
+
+* compute: each method's single-rank causal attention forward+backward at a few lengths ``s``,
+  least-squares fit (non-negative) of ``t(s) = alpha1·s² + alpha2·s + beta1`` (:func:`fit_compute`);
+* core sharing: the same kernel on k = 1, 2, 4, ... ranks at once over its time alone
+  (``ClusterSpec.compute_slowdown_by_ranks``; N single-thread ranks on C < N cores each compute
+  about N/C times slower — measured, not assumed);
+* links: per aligned group size g, every block of g ranks at once, a ring exchange, an
+  all-to-all and an all-gather of a few message sizes, fit ``t = latency + bytes / bandwidth``
+  (:func:`fit_link`, ``ClusterSpec.measured_links``);
+* overlap: a ring exchange issued before the compute kernel and waited for after it, against the
+  two alone: ``overlap = (t_compute + t_comm - t_both) / min(t_compute, t_comm)`` in [0, 1];
+* memory: bytes saved for backward per token (saved-tensor hooks) plus q, k, v, out.
+
+The coefficients are per attention layer times ``layers`` (the CostModel's ``layers`` scales the
+communication the same way). The JSON file (:func:`save_calibration`) is
+``{"format": "seqpar-calibration", "version": 1, "cluster": {...}, "cost_model": {...},
+"measurements": {...}, "machine": {...}, "versions": {...}, "command": "..."}``; ``CostModel.load``
+reads its ``cost_model`` part and :func:`load_calibration` both parts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .cluster import ClusterSpec, is_power_of_two
+from .cost import SOFTMAX_METHODS, CostModel, MethodCost
+from .measure import (phase_compute, phase_links, phase_memory, phase_overlap,
+                      phase_slowdown)
+
+FORMAT = "seqpar-calibration"
+DEFAULT_SEQ_LENS = (1024, 2048, 4096)
+QUICK_SEQ_LENS = (256, 512, 1024)
+DEFAULT_MESSAGE_BYTES = (1 << 16, 1 << 19, 1 << 22)  # 64 KiB, 512 KiB, 4 MiB
+QUICK_MESSAGE_BYTES = (1 << 14, 1 << 18)
+
+
+# ----------------------------------------------------------------------------- fits
+def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with x >= 0 for a handful of columns: best over the subsets of active columns."""
+    n = a.shape[1]
+    best, best_res = np.zeros(n), float(np.sum(y * y))
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            x, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+            if np.all(x >= 0):
+                res = float(np.sum((a[:, cols] @ x - y) ** 2))
+                if res < best_res:
+                    best, best_res = np.zeros(n), res
+                    best[list(cols)] = x
+    return best
+
+
+def fit_compute(seq_lens: Sequence[float], seconds: Sequence[float]) -> tuple[float, float, float]:
+    """Fit ``t(s) = alpha1·s² + alpha2·s + beta1`` (all >= 0) to timings; returns (alpha1, alpha2, beta1).
+
+    Rows are weighted by 1/t, so the fit minimises relative error (timings span orders of magnitude).
+    Needs at least two distinct lengths.
+    """
+    s, t = np.asarray(seq_lens, float), np.asarray(seconds, float)
+    if s.shape != t.shape or len(set(s.tolist())) < 2 or np.any(s <= 0) or np.any(t <= 0):
+        raise ValueError(f"fit_compute: need >= 2 distinct positive lengths with positive times, got "
+                         f"seq_lens={list(s)}, seconds={list(t)}")
+    a = np.stack([s * s, s, np.ones_like(s)], axis=1) / t[:, None]
+    a1, a2, b = _nonneg_lstsq(a, np.ones_like(t))
+    return float(a1), float(a2), float(b)
+
+
+def fit_link(message_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Fit ``t = latency + bytes / bandwidth`` (both >= 0); returns (bandwidth bytes/s, latency s)."""
+    m, t = np.asarray(message_bytes, float), np.asarray(seconds, float)
+    if m.shape != t.shape or len(set(m.tolist())) < 2 or np.any(t <= 0):
+        raise ValueError(f"fit_link: need >= 2 distinct message sizes with positive times, got "
+                         f"bytes={list(m)}, seconds={list(t)}")
+    inv_bw, lat = _nonneg_lstsq(np.stack([m, np.ones_like(m)], axis=1) / t[:, None], np.ones_like(t))
+    if inv_bw <= 0:  # time did not grow with size: bandwidth beyond what the sizes resolve
+        inv_bw = float(np.max(t) / np.max(m)) * 1e-3
+    return float(1.0 / inv_bw), float(lat)
+
+
+# ----------------------------------------------------------------------------- JSON
+def save_calibration(path: str | Path, cluster: ClusterSpec, cost_model: CostModel, *,
+                     measurements: dict | None = None, command: str | None = None) -> None:
+    """Write a calibration file (see the module docstring for the layout)."""
+    import torch
+
+    import seqpar
+
+    data = {"format": FORMAT, "version": 1, "cluster": cluster.to_dict(), "cost_model": cost_model.to_dict(),
+            "measurements": measurements or {},
+            "machine": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+                        "cpus": os.cpu_count(), "platform": platform.platform(),
+                        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "seqpar": seqpar.__version__},
+            "command": command if command is not None else " ".join(["seqpar"] + sys.argv[1:])}
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def load_calibration(path: str | Path) -> tuple[ClusterSpec, CostModel]:
+    """Read a ``seqpar calibrate`` file: (ClusterSpec, CostModel). ValueError naming the file and field."""
+    source = f"calibration file {str(path)!r}"
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"{source}: cannot be read ({exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source}: not valid JSON ({exc}); write one with 'seqpar calibrate --out PATH'") from None
+    if not isinstance(data, dict) or "cluster" not in data or "cost_model" not in data:
+        raise ValueError(f"{source}: expected an object with 'cluster' and 'cost_model' (the output of "
+                         f"'seqpar calibrate'); a bare cost model loads with CostModel.load")
+    cluster = ClusterSpec.from_dict(data["cluster"], source=f"{source}: cluster")
+    cost = CostModel.from_dict(data["cost_model"], source=f"{source}: cost_model")
+    return cluster, cost
+
+
+# ----------------------------------------------------------------------------- driver
+def _runner(nproc: int):
+    """(run(fn, *args) -> rank 0's result, world size, is rank 0): spawned pool or launched ranks."""
+    import torch
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: every rank runs every phase
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+        def run(fn, *args):  # rank 0's result, on every rank (the next phases and the models need it)
+            box = [fn(*args)]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return run, dist.get_world_size(), dist.get_rank() == 0
+    from seqpar.testing import run_distributed
+
+    return (lambda fn, *args: run_distributed(fn, nproc, *args, timeout=3600)[0]), nproc, True
+
+
+def _check_args(nproc, methods, seq_lens, heads, kv_heads, head_dim, layers) -> None:
+    import seqpar
+
+    for name, value in (("nproc", nproc), ("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                        ("layers", layers)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    if not is_power_of_two(nproc):
+        raise ValueError(f"nproc={nproc}: sequence-parallel groups are powers of two; use 1, 2, 4, 8, ...")
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
+    bad = [m for m in methods if m not in seqpar.METHODS or m not in SOFTMAX_METHODS]
+    if bad or not methods:
+        raise ValueError(f"methods: unknown or not calibratable {bad or methods}; choose from "
+                         f"{', '.join(m for m in seqpar.METHODS if m in SOFTMAX_METHODS)}")
+    if len(set(seq_lens)) < 2 or any(not isinstance(s, int) or s < 16 for s in seq_lens):
+        raise ValueError(f"seq_lens: need at least two distinct lengths >= 16 for the fit, got {list(seq_lens)}")
+
+
+def calibrate(*, nproc: int | None = None, methods: Sequence[str] | None = None,
+              seq_lens: Sequence[int] | None = None, heads: int = 8, kv_heads: int | None = None,
+              head_dim: int = 32, layers: int = 1, quick: bool = False, repeats: int | None = None,
+              out: str | Path | None = None, progress: bool = True, share_compute: bool = False,
+              command: str | None = None) -> tuple[ClusterSpec, CostModel]:
+    """Measure this machine; return (ClusterSpec, CostModel) and write ``out`` (JSON) when given.
+
+    nproc: local CPU ranks to spawn (default 4; ignored under torchrun, which sets the world).
+    methods: softmax methods to fit (default: all of them); heads/kv_heads/head_dim: the attention
+    shape timed ([1, s, H, D] per rank, fp32 on CPU); layers: coefficients are per layer times this.
+    quick: short lengths, few repeats, one method's compute fit shared by all (for tests).
+    share_compute: time only the first method's single-rank kernel and share its fit (on one rank
+    every softmax method runs the same local block kernel; their timings differ only by noise).
+    """
+    import seqpar
+
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    nproc = int(os.environ["WORLD_SIZE"]) if launched else (4 if nproc is None else nproc)
+    kv_heads = heads if kv_heads is None else kv_heads
+    methods = list(methods) if methods is not None else [m for m in seqpar.METHODS if m in SOFTMAX_METHODS]
+    seq_lens = list(seq_lens) if seq_lens is not None else list(QUICK_SEQ_LENS if quick else DEFAULT_SEQ_LENS)
+    _check_args(nproc, methods, seq_lens, heads, kv_heads, head_dim, layers)
+    reps = repeats if repeats is not None else (1 if quick else 3)
+    if not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"repeats: expected a positive integer, got {repeats!r}")
+    shape = (heads, kv_heads, head_dim)
+    timed = methods[:1] if quick or share_compute else methods
+    mid = sorted(seq_lens)[len(seq_lens) // 2]
+    run, world, rank0 = _runner(nproc)
+    meas: dict = {"shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "layers": layers},
+                  "seq_lens": seq_lens, "repeats": reps, "world_size": world, "timed_methods": timed,
+                  "loadavg_before": _loadavg()}
+    steps = [("compute", lambda: run(phase_compute, timed, seq_lens, shape, reps)),
+             ("core sharing", lambda: run(phase_slowdown, methods[0], mid, shape, reps)),
+             ("links", lambda: run(phase_links, QUICK_MESSAGE_BYTES if quick else DEFAULT_MESSAGE_BYTES, reps)),
+             ("overlap", None), ("memory", lambda: run(phase_memory, methods[0], mid, shape))]
+    with _progress(progress and rank0, len(steps)) as advance:
+        for name, fn in steps:
+            advance(f"calibrate: {name}")
+            if name == "overlap":
+                bw = _fit_links(meas["links"]).get((world, "p2p"), (1e9, 0.0))[0] if world > 1 else 1e9
+                tc = meas["compute"][timed[0]][seq_lens.index(mid)] * meas["core sharing"][world]
+                message = min(64 << 20, max(64 << 10, bw * tc))
+                meas[name] = run(phase_overlap, methods[0], mid, shape, message, reps)
+            else:
+                meas[name] = fn()
+    meas["loadavg_after"] = _loadavg()
+    cluster, cost = build_models(meas, methods)
+    if out is not None and rank0:
+        save_calibration(out, cluster, cost, measurements=_jsonable(meas), command=command)
+    return cluster, cost
+
+
+def _loadavg() -> list[float] | None:
+    """1, 5 and 15 minute load averages (outside load perturbs CPU timings; recorded with them)."""
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def _fit_links(links: dict) -> dict:
+    return {(int(g), kind): fit_link(*zip(*rows)) for g, kinds in links.items() for kind, rows in kinds.items()}
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def build_models(meas: dict, methods: Sequence[str]) -> tuple[ClusterSpec, CostModel]:
+    """Turn the measurements of :func:`calibrate` into (ClusterSpec, CostModel)."""
+    from .cost import method_buffers
+
+    shape, lens, world = meas["shape"], meas["seq_lens"], int(meas["world_size"])
+    h, hk, d, layers = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["layers"]
+    mem = meas["memory"]
+    fits = {m: fit_compute(lens, t) for m, t in meas["compute"].items()}
+    first = next(iter(fits.values()))
+    costs = []
+    for m in methods:
+        a1, a2, b = fits.get(m, first)
+        tok, full = method_buffers(m, h * d, hk * d, h, mem["element_size"])
+        costs.append((m, MethodCost(alpha1=a1 * layers, alpha2=a2 * layers, beta1=b * layers,
+                                    m_token=mem["bytes_per_token"] * layers + tok, m_model=float(mem["rss"]),
+                                    m_token_full=full)))
+    cost = CostModel(methods=tuple(costs), hidden=h * d, kv_hidden=hk * d, layers=layers, n_heads=h,
+                     bytes_per_element=int(mem["element_size"]), grad_bytes_per_element=4)  # fp32 dK,dV, dq
+    links = _fit_links(meas["links"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    rpn = local if is_power_of_two(local) and world % local == 0 else world
+    intra = [links[(g, "p2p")] for g in sorted({g for g, _ in links}) if g <= rpn]
+    inter = [links[(g, "p2p")] for g in sorted({g for g, _ in links}) if g > rpn] or intra
+    cpu = mem["device"] == "cpu"
+    cores = len(os.sched_getaffinity(0)) if cpu and hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    fields = {"world_size": world, "ranks_per_node": rpn, "memory_per_rank": float(mem["memory_per_rank"]),
+              "cores": float(cores) if cpu else 0.0,
+              "compute_slowdown_by_ranks": tuple((int(k), max(1.0, float(v)) if cpu else float(v))
+                                                 for k, v in meas["core sharing"].items()),
+              "measured_links": tuple((g, kind, bw, lat) for (g, kind), (bw, lat) in sorted(links.items())),
+              "overlap_factor": float(meas["overlap"]["overlap"])}
+    if intra:
+        fields.update(intra_node_bandwidth=intra[-1][0], latency_intra=intra[-1][1],
+                      inter_node_bandwidth=inter[-1][0], latency_inter=inter[-1][1])
+    return ClusterSpec(**fields), cost
+
+
+class _progress:
+    """A rich progress bar over the phases (a no-op when disabled or rich is missing)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total, self.bar = enabled, total, None
+
+    def __enter__(self):
+        if self.enabled:
+            try:
+                from rich.progress import Progress
+
+                self.bar = Progress(transient=True)
+                self.bar.start()
+                self.task = self.bar.add_task("calibrate", total=self.total)
+            except ImportError:
+                self.bar = None
+        self.started = False
+
+        def advance(description: str) -> None:
+            if self.bar is not None:
+                self.bar.update(self.task, advance=1 if self.started else 0, description=description)
+            self.started = True
+        return advance
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.total)
+            self.bar.stop()
+        return False
+
+
+# ----------------------------------------------------------------------------- command line
+def print_calibration(cluster: ClusterSpec, cost: CostModel, title: str = "seqpar calibrate") -> None:
+    """Summary tables (rich): per-method compute fit, per-size links, core sharing, overlap, memory."""
+    rows = [[n, f"{c.alpha1 * 1e9:.3g}", f"{c.alpha2 * 1e9:.3g}", f"{c.beta1 * 1e3:.3g}",
+             f"{c.m_token / 1e3:.3g}", f"{c.m_token_full / 1e3:.3g}"] for n, c in cost.methods]
+    links = [[str(g), kind, f"{bw / 1e9:.3g}", f"{lat * 1e6:.4g}"] for g, kind, bw, lat in cluster.measured_links]
+    slow = ", ".join(f"{k}: {f:.2f}x" for k, f in cluster.compute_slowdown_by_ranks)
+    notes = (f"world {cluster.world_size} ranks, {cluster.ranks_per_node} per node, cores {cluster.cores:g} "
+             f"(0 = a device per rank); compute slowdown with k ranks at once: {slow or 'n/a'}; "
+             f"overlap factor {cluster.overlap_factor:.2f}; memory per rank {cluster.memory_per_rank / 1e9:.3g} GB; "
+             f"shape Hq={cost.n_heads}, d={cost.hidden}, d_kv={cost.kv_hidden}, layers={cost.layers}, "
+             f"{cost.bytes_per_element} bytes/element")
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title, *("  ".join(r) for r in rows + links), notes, sep="\n")
+        return
+    console = Console(width=110)
+    t = Table(title=f"{title}: compute t(s) = alpha1 s^2 + alpha2 s + beta1 (fwd+bwd, all layers, one rank alone)")
+    for c in ("method", "alpha1 ns/tok^2", "alpha2 ns/tok", "beta1 ms", "KB/token (split)", "KB/token (full)"):
+        t.add_column(c, justify="left" if c == "method" else "right")
+    for r in rows:
+        t.add_row(*r)
+    console.print(t)
+    if links:
+        t = Table(title="links: t = latency + bytes / bandwidth, every aligned group of the size at once")
+        for c in ("group size", "kind", "GB/s per rank", "latency us"):
+            t.add_column(c, justify="right")
+        for r in links:
+            t.add_row(*r)
+        console.print(t)
+    console.print(notes)
+
+
+def calibrate_main(argv: list[str] | None = None) -> int:
+    """Entry point of ``seqpar calibrate``; returns the exit status (2 for bad arguments)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="seqpar calibrate", description="Measure the scheduler's cost model on this "
+                                "machine (compute fit per method, links per group size, core sharing, overlap, "
+                                "memory) and save it as JSON for 'seqpar plan --cost-model' / 'seqpar simulate "
+                                "--calibration'. Local CPU gloo ranks by default; the launched ranks under torchrun.")
+    p.add_argument("--out", default="seqpar_calibration.json", help="JSON file to write")
+    p.add_argument("--methods", default=None, help="comma-separated softmax methods (default: all)")
+    p.add_argument("--nproc", "-n", type=int, default=4, help="local CPU ranks to spawn (ignored under torchrun)")
+    p.add_argument("--seq-lens", default=None, help="lengths of the compute fit, e.g. 1k,2k,4k "
+                   f"(default {','.join(map(str, DEFAULT_SEQ_LENS))}; --quick {','.join(map(str, QUICK_SEQ_LENS))})")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--layers", type=int, default=1, help="coefficients are per attention layer times this")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per point (default 3; --quick 1)")
+    p.add_argument("--quick", action="store_true", help="short lengths and messages, one method's compute fit "
+                   "shared by all (seconds; for tests)")
+    p.add_argument("--share-compute", action="store_true", help="time one method's single-rank kernel and share "
+                   "its fit (they run the same kernel on one rank)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        from .simulate import _int_list
+
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+        lens = _int_list(args.seq_lens) if args.seq_lens else None
+        cluster, cost = calibrate(nproc=args.nproc, methods=methods, seq_lens=lens, heads=args.heads,
+                                  kv_heads=args.kv_heads, head_dim=args.head_dim, layers=args.layers,
+                                  quick=args.quick, repeats=args.repeats, out=args.out,
+                                  progress=not args.no_progress, share_compute=args.share_compute)
+    except ValueError as exc:
+        print(f"seqpar calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    if os.environ.get("RANK", "0") == "0":
+        print_calibration(cluster, cost)
+        print(f"wrote {args.out}")
+    return 0

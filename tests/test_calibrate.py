@@ -1,0 +1,148 @@
+"""seqpar calibrate: the fits, the JSON file, the CPU core-sharing model, and a quick run on 2 ranks."""
+
+import json
+
+import numpy as np
+import pytest
+
+from seqpar.schedulers import ClusterSpec, CostModel, plan_batch
+from seqpar.schedulers.calibrate import (build_models, calibrate, fit_compute, fit_link, load_calibration,
+                                         save_calibration)
+
+
+def test_fit_compute_recovers_known_coefficients():
+    a1, a2, b = 3e-9, 2e-6, 4e-3
+    lens = [256, 512, 1024, 2048, 4096]
+    exact = [a1 * s * s + a2 * s + b for s in lens]
+    got = fit_compute(lens, exact)
+    assert got == pytest.approx((a1, a2, b), rel=1e-6)
+    # 2% multiplicative noise: the fitted curve still predicts every point within a few percent
+    rng = np.random.default_rng(0)
+    noisy = [t * (1 + 0.02 * rng.standard_normal()) for t in exact]
+    f1, f2, f3 = fit_compute(lens, noisy)
+    assert min(f1, f2, f3) >= 0
+    for s, t in zip(lens, exact):
+        assert f1 * s * s + f2 * s + f3 == pytest.approx(t, rel=0.06)
+
+
+def test_fit_compute_never_returns_negative_coefficients():
+    # a pure s² curve with a dip at the short end would pull an unconstrained beta1 below zero
+    lens, times = [100, 200, 400, 800], [5e-5, 1.5e-4, 6e-4, 2.4e-3]
+    a1, a2, b = fit_compute(lens, times)
+    assert a1 > 0 and a2 >= 0 and b >= 0
+    with pytest.raises(ValueError, match="distinct"):
+        fit_compute([512, 512], [1.0, 1.0])
+
+
+def test_fit_link_recovers_bandwidth_and_latency():
+    bw, lat = 2.5e9, 40e-6
+    sizes = [1 << 14, 1 << 18, 1 << 22]
+    got_bw, got_lat = fit_link(sizes, [lat + m / bw for m in sizes])
+    assert got_bw == pytest.approx(bw, rel=1e-6) and got_lat == pytest.approx(lat, rel=1e-6)
+
+
+def _synthetic_measurements(world=4, slow=(1.0, 1.05, 2.1)):
+    lens = [512, 1024, 2048]
+    a1, a2, b = 2e-8, 1e-6, 1e-3
+    links = {g: {kind: [(m, 1e-4 + m / bw) for m in (1 << 16, 1 << 20)]
+                 for kind, bw in (("p2p", 1e9), ("all_to_all", 5e8), ("all_gather", 8e8))} for g in (2, 4)}
+    return {"shape": {"heads": 4, "kv_heads": 2, "head_dim": 16, "layers": 1}, "seq_lens": lens, "world_size": world,
+            "compute": {"zigzag_ring": [a1 * s * s + a2 * s + b for s in lens]},
+            "core sharing": {1: slow[0], 2: slow[1], 4: slow[2]}, "links": links,
+            "overlap": {"overlap": 0.5},
+            "memory": {"bytes_per_token": 1000.0, "rss": 3e8, "memory_per_rank": 8e9, "element_size": 4,
+                       "device": "cpu"}}
+
+
+def test_build_models_from_measurements():
+    cluster, cost = build_models(_synthetic_measurements(), ["zigzag_ring", "ulysses", "ring"])
+    assert cluster.world_size == 4 and cluster.ranks_per_node == 4 and cluster.overlap_factor == 0.5
+    assert cluster.bandwidth(2) == pytest.approx(1e9) and cluster.bandwidth(4, "all_to_all") == pytest.approx(5e8)
+    assert cluster.latency(4, "all_gather") == pytest.approx(1e-4)
+    assert cluster.compute_slowdown(4) == pytest.approx(2.1) and cluster.compute_slowdown(1) == 1.0
+    z = cost.coeffs("zigzag_ring")
+    assert (z.alpha1, z.alpha2, z.beta1) == pytest.approx((2e-8, 1e-6, 1e-3), rel=1e-6)
+    assert cost.coeffs("ulysses").alpha1 == z.alpha1  # one timed kernel shared by the others
+    assert (cost.hidden, cost.kv_hidden, cost.n_heads, cost.bytes_per_element) == (64, 32, 4, 4)
+    # core sharing enters the model: 4 ranks on this machine compute 2.1x slower than one alone
+    s = 4096
+    g = cost.group_coeffs("zigzag_ring", 4, cluster)
+    assert g.quad == pytest.approx(2.1 * z.alpha1 / 4)
+    t4 = cost.time("zigzag_ring", 4, [s], cluster)
+    assert t4 > 2.1 * z.alpha1 * s * s / 4
+
+
+def test_compute_slowdown_model():
+    c = ClusterSpec(world_size=8, cores=2, compute_slowdown_by_ranks=((1, 1.0), (2, 1.1)))
+    assert c.compute_slowdown(1) == 1.0 and c.compute_slowdown(2) == pytest.approx(1.1)
+    assert c.compute_slowdown() == pytest.approx(4.4)  # beyond the measurements: shares 2 cores further
+    assert ClusterSpec(world_size=8, cores=2).compute_slowdown() == 4.0  # unmeasured: N / cores
+    assert ClusterSpec.h100(64).compute_slowdown() == 1.0  # a device per rank
+    with pytest.raises(ValueError, match="cores"):
+        ClusterSpec(world_size=8, cores=-1)
+    with pytest.raises(ValueError, match="overlap_factor"):
+        ClusterSpec(world_size=8, overlap_factor=1.5)
+
+
+def test_calibration_file_round_trip_and_bad_files(tmp_path):
+    cluster, cost = build_models(_synthetic_measurements(), ["zigzag_ring", "ulysses"])
+    path = tmp_path / "cal.json"
+    save_calibration(path, cluster, cost, measurements={"note": "synthetic"}, command="test")
+    assert load_calibration(path) == (cluster, cost)
+    assert CostModel.load(path) == cost  # a calibration file is also a cost-model file
+    with pytest.raises(ValueError, match="method 'ring' is missing"):
+        CostModel.load(path, required=["ring"])
+    data = json.loads(path.read_text())
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_calibration(bad)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        CostModel.load(bad)
+    neg = json.loads(json.dumps(data))
+    neg["cost_model"]["methods"]["ulysses"]["alpha1"] = -1e-9
+    bad.write_text(json.dumps(neg))
+    with pytest.raises(ValueError, match="'ulysses'.*alpha1"):
+        load_calibration(bad)
+    with pytest.raises(ValueError, match="'ulysses'.*alpha1"):
+        CostModel.load(bad)
+    no_cluster = {k: v for k, v in data.items() if k != "cluster"}
+    bad.write_text(json.dumps(no_cluster))
+    with pytest.raises(ValueError, match="'cluster'"):
+        load_calibration(bad)
+    wrong = json.loads(json.dumps(data))
+    wrong["cluster"]["measured_links"][0][2] = -5
+    bad.write_text(json.dumps(wrong))
+    with pytest.raises(ValueError, match="measured_links"):
+        load_calibration(bad)
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_calibration(tmp_path / "missing.json")
+
+
+def test_calibrate_bad_arguments_fail_before_spawning():
+    with pytest.raises(ValueError, match="nproc"):
+        calibrate(nproc=3, quick=True, progress=False)
+    with pytest.raises(ValueError, match="methods"):
+        calibrate(nproc=2, methods=["zeco"], quick=True, progress=False)
+    with pytest.raises(ValueError, match="seq_lens"):
+        calibrate(nproc=2, seq_lens=[512], quick=True, progress=False)
+
+
+def test_calibrate_quick_on_two_cpu_ranks(tmp_path):
+    out = tmp_path / "cal.json"
+    cluster, cost = calibrate(nproc=2, methods=["zigzag_ring", "ulysses", "ring"], heads=2, head_dim=16,
+                              seq_lens=[128, 256, 512], quick=True, out=out, progress=False, command="test")
+    assert (cluster, cost) == load_calibration(out)
+    assert CostModel.load(out, required=["zigzag_ring", "ulysses"]) == cost
+    data = json.loads(out.read_text())
+    assert data["format"] == "seqpar-calibration" and data["command"] == "test" and data["versions"]["torch"]
+    assert cluster.world_size == 2 and cluster.cores >= 1
+    assert {k for k, _ in cluster.compute_slowdown_by_ranks} == {1, 2}
+    assert {(g, kind) for g, kind, *_ in cluster.measured_links} == {(2, "p2p"), (2, "all_to_all"), (2, "all_gather")}
+    for _, c in cost.methods:
+        assert c.alpha1 + c.alpha2 > 0 and c.m_token > 0
+    # the scheduler can plan with it (on this 2-rank CPU machine)
+    plan = plan_batch([900, 300, 200, 100], cluster, cost, time_limit=1.0)
+    assert sorted(i for g in plan.groups for i in g.seqs) == [0, 1, 2, 3]
+    assert plan.estimated_time > 0
