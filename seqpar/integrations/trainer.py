@@ -296,21 +296,16 @@ def _rank_main(cfg: TrainConfig, packed: tuple[bool, str]) -> TrainResult | None
     try:
         for step in range(result.start_step + 1, cfg.steps + 1):
             t0, c0 = time.perf_counter(), time.process_time()
-            group, method, seq_ids, plan = _my_sequences(cfg, rt, runner, batch, step)
-            shards = []
-            for s in seq_ids:
-                tokens, cu = data.sequence(s)
-                shards.append(shard_inputs(tokens[None].to(rt.device), cu_seqlens=cu if packed_ok else None,
-                                           group=group, method=method))
-            count = torch.tensor([float(sum(b.num_valid for b in shards))], dtype=torch.float64, device=rt.device)
-            if rt.world > 1:
-                dist.all_reduce(count)  # the global number of labels normalises every rank's share
-            loss_sum = _forward_backward(model, shards, float(count.clamp(min=1)), autocast)
-            if cfg.crash_at_step == step and rt.rank == 0:
-                if dist.is_initialized():
-                    os._exit(17)  # fault injection: die like a killed process, mid-step
-                raise RuntimeError(f"--crash-at-step: injected crash at step {step}")
-            loss = float(_all_reduce_grads(params, loss_sum.float().reshape(1))[0]) / float(count.clamp(min=1))
+            plan = None
+            if runner is None:
+                loss = _static_step(cfg, rt, data, model, params, batch, step, packed_ok, autocast)
+            else:  # the scheduler's executor: plan, GroupCache, train_step (see trainer_adaptive)
+                lengths = [cfg.seq_len] * batch
+                plan = runner.plan(lengths)
+                _maybe_crash(cfg, rt, step)
+                first = (step - 1) * batch
+                loss = runner.step(plan, lengths, lambda i: data.sequence(first + i), params, packed=packed_ok,
+                                   device=rt.device, autocast=autocast)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
             lr = _lr(cfg, step)
             for g in optimizer.param_groups:
@@ -346,17 +341,31 @@ def _rank_main(cfg: TrainConfig, packed: tuple[bool, str]) -> TrainResult | None
     return result if rt.rank == 0 else None
 
 
-def _my_sequences(cfg: TrainConfig, rt: _Runtime, runner, batch: int, step: int):
-    """(group, method, sequence indices, plan) of this rank for ``step``: its data-parallel slice of
-    the step's ``batch`` sequences, or what the adaptive plan gives its group."""
-    first = (step - 1) * batch
-    if runner is None:
-        per_dp = batch // rt.dp
-        return rt.cp_group, cfg.cp_method, [first + rt.dp_rank * per_dp + i for i in range(per_dp)], None
-    lengths = [cfg.seq_len] * batch
-    plan = runner.plan(lengths)
-    group, method, mine = runner.my_sequences(plan, lengths)
-    return group, method, [first + i for i in mine], plan
+def _maybe_crash(cfg: TrainConfig, rt: _Runtime, step: int) -> None:
+    """--crash-at-step: fault injection on rank 0, mid-step (before the gradient all-reduce)."""
+    if cfg.crash_at_step == step and rt.rank == 0:
+        if dist.is_initialized():
+            os._exit(17)  # die like a killed process
+        raise RuntimeError(f"--crash-at-step: injected crash at step {step}")
+
+
+def _static_step(cfg: TrainConfig, rt: _Runtime, data, model, params, batch: int, step: int, packed_ok: bool,
+                 autocast) -> float:
+    """One step at the fixed ``(dp, cp)`` mesh: this rank's data-parallel slice of the step's ``batch``
+    sequences, sharded over its cp group; returns the global loss (gradients summed over the world)."""
+    per_dp = batch // rt.dp
+    first = (step - 1) * batch + rt.dp_rank * per_dp
+    shards = []
+    for s in range(first, first + per_dp):
+        tokens, cu = data.sequence(s)
+        shards.append(shard_inputs(tokens[None].to(rt.device), cu_seqlens=cu if packed_ok else None,
+                                   group=rt.cp_group, method=cfg.cp_method))
+    count = torch.tensor([float(sum(b.num_valid for b in shards))], dtype=torch.float64, device=rt.device)
+    if rt.world > 1:
+        dist.all_reduce(count)  # the global number of labels normalises every rank's share
+    loss_sum = _forward_backward(model, shards, float(count.clamp(min=1)), autocast)
+    _maybe_crash(cfg, rt, step)
+    return float(_all_reduce_grads(params, loss_sum.float().reshape(1))[0]) / float(count.clamp(min=1))
 
 
 def _forward_backward(model, shards, count: float, autocast) -> torch.Tensor:

@@ -4,6 +4,15 @@
 ``sysconfig.get_paths()["stdlib"]``, without ``site-packages``/``dist-packages`` and without empty
 files) divided by 4 as a token estimate: a real long-tailed document-length distribution (on
 CPython 3.11: 1762 files, median ~1.7K tokens, p99 ~41K, max ~189K).
+
+``stdlib-dirs``: repository-level documents: the ``.py`` files of each stdlib directory (each
+package, non-recursive) concatenated into one document, as code corpora build repository-level
+samples, cut into pieces of at most ``max_len`` tokens (a context window, default 131072) like any
+document longer than the window (CPython 3.11: 113 directories, 7.9M tokens, median ~11.6K, the
+largest ``test`` with 3.5M tokens -> 27 full windows).
+
+``stdlib-mix``: the union of ``stdlib`` (file-level) and ``stdlib-dirs`` (repository-level)
+documents: a long-context mixture where most documents are short and a few fill the window.
 """
 
 from __future__ import annotations
@@ -17,7 +26,8 @@ import numpy as np
 from .cluster import ClusterSpec
 from .cost import CostModel
 
-DISTRIBUTIONS = ("stdlib",)
+DISTRIBUTIONS = ("stdlib", "stdlib-dirs", "stdlib-mix")
+DEFAULT_WINDOW = 131072
 
 
 def stdlib_lengths(bytes_per_token: int = 4) -> np.ndarray:
@@ -37,14 +47,59 @@ def stdlib_lengths(bytes_per_token: int = 4) -> np.ndarray:
     return np.array(sizes, dtype=np.int64)
 
 
-def sample_lengths(num_seqs: int, seed: int = 0, dist: str = "stdlib") -> np.ndarray:
-    """``num_seqs`` lengths drawn with replacement from the distribution ``dist``."""
+def stdlib_dir_lengths(bytes_per_token: int = 4, max_len: int = DEFAULT_WINDOW) -> np.ndarray:
+    """Repository-level documents: per stdlib directory, the concatenated ``.py`` bytes //
+    ``bytes_per_token``, cut into pieces of at most ``max_len`` tokens (full windows, then the rest),
+    in path order."""
+    if not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len={max_len!r}: expected a positive number of tokens")
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        size = sum(os.path.getsize(os.path.join(dirpath, n)) for n in sorted(filenames) if n.endswith(".py"))
+        tokens = size // bytes_per_token
+        while tokens > 0:
+            out.append(min(tokens, max_len))
+            tokens -= max_len
+    if not out:
+        raise ValueError(f"dist='stdlib-dirs': no .py files found under {root}")
+    return np.array(out, dtype=np.int64)
+
+
+def _pool(dist: str, max_len: int) -> np.ndarray:
     if dist not in DISTRIBUTIONS:
         raise ValueError(f"dist={dist!r}: choose one of {', '.join(DISTRIBUTIONS)}")
+    if dist == "stdlib":
+        return stdlib_lengths()
+    if dist == "stdlib-dirs":
+        return stdlib_dir_lengths(max_len=max_len)
+    return np.concatenate([np.minimum(stdlib_lengths(), max_len), stdlib_dir_lengths(max_len=max_len)])
+
+
+def sample_lengths(num_seqs: int, seed: int = 0, dist: str = "stdlib", max_len: int = DEFAULT_WINDOW) -> np.ndarray:
+    """``num_seqs`` lengths drawn with replacement from the distribution ``dist`` (``max_len``: the
+    window of ``stdlib-dirs`` / ``stdlib-mix``; ``stdlib`` is never cut)."""
     if not isinstance(num_seqs, int) or num_seqs < 1:
         raise ValueError(f"num_seqs={num_seqs!r}: expected a positive integer")
-    pool = stdlib_lengths()
+    pool = _pool(dist, max_len)
     return np.random.default_rng(seed).choice(pool, size=num_seqs, replace=True)
+
+
+def sample_tokens(total_tokens: int, seed: int = 0, dist: str = "stdlib-mix",
+                  max_len: int = DEFAULT_WINDOW) -> np.ndarray:
+    """Real (unscaled) lengths drawn with replacement from ``dist`` until they hold at least
+    ``total_tokens`` tokens (a token-budget batch, as long-context trainers build them)."""
+    if not isinstance(total_tokens, (int, np.integer)) or total_tokens < 1:
+        raise ValueError(f"total_tokens={total_tokens!r}: expected a positive integer")
+    pool = _pool(dist, max_len)
+    rng = np.random.default_rng(seed)
+    out, total = [], 0
+    while total < total_tokens:
+        x = int(rng.choice(pool))
+        out.append(x)
+        total += x
+    return np.array(out, dtype=np.int64)
 
 
 def max_fitting_length(cluster: ClusterSpec, cost_model: CostModel, methods: Sequence[str] | None = None) -> int:

@@ -240,8 +240,13 @@ def execute_plan(plan: Plan, seq_lens: Sequence[int], rank: int, groups: GroupCa
     return run_group_batch(work)
 
 
-def _reduce_grads(params: list[torch.Tensor], group=None) -> None:
-    """Sum every parameter's ``.grad`` over ``group`` in one flat all-reduce (None grads count as 0)."""
+_GRAD_BUCKET = 1 << 26  # elements per gradient all-reduce (256 MB of fp32): bounds the flat copy
+
+
+def _reduce_grads(params: list[torch.Tensor], group=None, bucket: int = _GRAD_BUCKET) -> None:
+    """Sum every parameter's ``.grad`` over ``group`` in flat all-reduces of at most ``bucket``
+    elements per dtype and device (None grads count as 0); a parameter larger than ``bucket`` goes
+    alone."""
     if not params:
         return
     for p in params:
@@ -251,13 +256,21 @@ def _reduce_grads(params: list[torch.Tensor], group=None) -> None:
     for p in params:
         by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
     for plist in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in plist])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for p in plist:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for p in plist + [None]:
+            if p is not None and (not chunk or size + p.numel() <= bucket):
+                chunk.append(p)
+                size += p.numel()
+                continue
+            flat = torch.cat([q.grad.reshape(-1) for q in chunk])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for q in chunk:
+                n = q.grad.numel()
+                q.grad.copy_(flat[offset:offset + n].view_as(q.grad))
+                offset += n
+            chunk, size = ([p], p.numel()) if p is not None else ([], 0)
 
 
 def train_step(plan: Plan, seq_lens: Sequence[int], rank: int, groups: GroupCache,

@@ -122,7 +122,6 @@ def greedy_plan(seq_lens: Sequence[int], cluster: ClusterSpec, cost_model: CostM
 
 def greedy_assignment(table: Table, lens: np.ndarray, *, refine_time: float = 0.05) -> Assignment:
     """The greedy planner on prepared inputs; returns the refined :class:`Assignment`."""
-    start = _time.perf_counter()
     single = table.single(lens)
     n = table.cluster.world_size
     candidates, target = _search_layouts(table, single)
@@ -143,6 +142,28 @@ def greedy_assignment(table: Table, lens: np.ndarray, *, refine_time: float = 0.
         t = float(group_times(table, a, lens).max())
         if t < best_t:
             best, best_t = a, t
+    # Every other static layout whose lower bound could beat the best so far (the time of a group is
+    # convex in (S1, S2), so the slowest of n/d groups is at least the time of the average group, and
+    # at least the longest sequence alone): with memory-light methods a large degree can win (one
+    # long document at d=1 leaves the other ranks idle), and the planner must never lose to a static
+    # plan it could have returned.
+    s1, s2, longest = float(lens.sum()), float((lens * lens).sum()), float(lens.max())
+    tried = {(k, id(c)) for k in range(max(k0 - 1, smallest_fit), min(k0 + 2, len(table.sizes)))
+             for _, c in table.options[k]}
+    for k in range(smallest_fit, len(table.sizes)):
+        d = table.sizes[k]
+        if n % d:
+            continue
+        per = n // d
+        for _, c in table.options[k]:
+            if (k, id(c)) in tried or c.memory(longest) > table.memory:
+                continue
+            if max(c.time(s1 / per, s2 / per), c.time(longest, longest * longest)) >= best_t:
+                continue
+            a = lpt_assign(table, lens, layout([d] * per), fixed=c)
+            t = float(group_times(table, a, lens).max())
+            if t < best_t:
+                best, best_t = a, t
     if best is not None and math.isfinite(best_t):
         best, best_t = _layout_search(table, lens, best, best_t, _time.perf_counter() + refine_time / 2)
     if best is None or not math.isfinite(best_t):
