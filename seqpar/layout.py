@@ -96,22 +96,19 @@ def _check_ranks(entry, x, group, method, dim, cu_seqlens, ulysses_degree, ring_
     checks that need no tensor geometry first (an error on some ranks only stops every rank), then
     shape, dtype, dim, method and cu_seqlens compared across ranks."""
     from .attention.api import _agreement_groups  # local import: the attention package imports this module
-    from .comm.agreement import check_agreement, offsets_fingerprint, shape_of
+    from .comm.agreement import agreed, offsets_fingerprint, shape_of
 
-    infos = _agreement_groups(method, group, ulysses_degree)
-    error = None
-    try:
+    def local_checks() -> None:
         _usp_module(method, ulysses_degree, ring_method)
         layout_of(method)
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    except Exception as exc:
-        error = exc
+
     fields = {"method": repr(method), "x of shape": shape_of(x), "dtype": str(getattr(x, "dtype", None)),
               "dim": repr(dim), "cu_seqlens": offsets_fingerprint(cu_seqlens),
               "ulysses_degree": repr(ulysses_degree), "ring_method": repr(ring_method)}
-    check_agreement(infos, entry, fields, error,
-                    device=x.device if isinstance(x, torch.Tensor) and x.is_cuda else None)
+    agreed(_agreement_groups(method, group, ulysses_degree), entry, fields, local_checks,
+           device=x.device if isinstance(x, torch.Tensor) and x.is_cuda else None)
 
 
 def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int = 1, cu_seqlens=None,

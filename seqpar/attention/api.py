@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import CommStats, GroupInfo, group_info
-from ..comm.agreement import check_agreement, check_ranks_enabled, offsets_fingerprint, shape_of
+from ..comm.agreement import agreed, check_ranks_enabled, offsets_fingerprint, shape_of
 from ..kernels import check_qkv, select_backend, available_backends
 from ..packing import PackedLayout, check_cu_seqlens, check_same_on_ranks
 from .registry import MethodSpec, method_spec
@@ -136,14 +136,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     if not check_ranks_enabled(check_ranks):
         call = _prepare(q, k, v, same_offsets_check=True, **opts)
     else:
-        infos = _agreement_groups(method, group, ulysses_degree)
-        error = None
-        try:  # the fingerprint carries cu_seqlens: no separate offsets gather
-            call = _prepare(q, k, v, same_offsets_check=False, **opts)
-        except Exception as exc:  # re-raised here after the gather; the other ranks raise naming this one
-            error = exc
-        check_agreement(infos, "seqpar.attention", _fingerprint(q, k, v, **opts), error,
-                        device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
+        # the fingerprint carries cu_seqlens: no separate offsets gather
+        call = agreed(_agreement_groups(method, group, ulysses_degree), "seqpar.attention",
+                      _fingerprint(q, k, v, **opts), lambda: _prepare(q, k, v, same_offsets_check=False, **opts),
+                      device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
     return FAMILIES[call.spec.family](q.contiguous(), k.contiguous(), v.contiguous(), call)
 
 

@@ -142,6 +142,19 @@ def check_agreement(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict
                          "cu_seqlens); shard the global tensors with seqpar.shard on every rank.")
 
 
+def agreed(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict[str, object], prepare, *, device=None):
+    """Run the local checks ``prepare()`` and then :func:`check_agreement`: a ``prepare`` error is
+    held until after the gather, so the other ranks raise naming this one instead of waiting.
+    Returns what ``prepare`` returned (every rank has agreed by then)."""
+    error = result = None
+    try:
+        result = prepare()
+    except Exception as exc:
+        error = exc
+    check_agreement(infos, entry, fields, error, device=device)
+    return result
+
+
 def _disagreements(ranks: tuple[int, ...], rows: list[dict]) -> list[str]:
     ref = rows[0]
     out = []

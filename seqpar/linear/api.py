@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..comm.agreement import check_agreement, check_ranks_enabled, offsets_fingerprint, shape_of
+from ..comm.agreement import agreed, check_ranks_enabled, offsets_fingerprint, shape_of
 from ..comm.groups import group_info
 from ..packing import check_same_on_ranks
 from ..comm.stats import CommStats
@@ -118,13 +118,9 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             # for softmax attention); different offsets would silently mix documents across ranks
             check_same_on_ranks(prepared[2], group, device=q.device if q.is_cuda else None)
         return _launch(q, k, v, g, initial_state, *prepared)
-    error = prepared = None
-    try:
-        prepared = _prepare(q, k, v, g, info, *args)
-    except Exception as exc:  # re-raised after the gather; the other ranks raise naming this one
-        error = exc
-    check_agreement(info, "seqpar.linear_attention", _fingerprint(q, k, v, g, *args), error,
-                    device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
+    prepared = agreed(info, "seqpar.linear_attention", _fingerprint(q, k, v, g, *args),
+                      lambda: _prepare(q, k, v, g, info, *args),
+                      device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
     return _launch(q, k, v, g, initial_state, *prepared)
 
 
