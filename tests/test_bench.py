@@ -167,12 +167,15 @@ def test_emulated_schedules_match_the_methods():
 def test_emulate_measures_imbalance(tmp_path):
     from seqpar.bench.plots import write_plots
 
-    cases = [BenchCase(m, 512, 4, True, heads=4, kv_heads=4, head_dim=16, repeats=1, warmup=1)
+    # 3 repeats: each (rank, step) time is the minimum over them, so one descheduled tiny kernel on
+    # the shared CI cores does not fake an imbalance
+    cases = [BenchCase(m, 512, 4, True, heads=4, kv_heads=4, head_dim=16, repeats=3, warmup=1)
              for m in ("ring", "zigzag_ring", "ulysses", "zeco")]
     rows = {r["method"]: r for r in emulate_cases(cases, progress=False)}
     assert all(r["error"] == "" and r["mode"] == "emulate" for r in rows.values())
-    # ring causal: at step 3 only rank 3 works (schedule imbalance 4); zigzag: half a block each (~1)
-    assert rows["ring"]["imbalance"] > 2 > rows["zigzag_ring"]["imbalance"]
+    # ring causal: at step 3 only rank 3 works, so that step's max/mean is about
+    # 4; zigzag: every rank computes half a block per step (~1, timing noise aside)
+    assert rows["ring"]["imbalance"] > 3.5 > 3 > rows["zigzag_ring"]["imbalance"]
     assert rows["ring"]["bound"] < 0.6 and rows["zigzag_ring"]["bound"] == pytest.approx(1.0, abs=1e-3)
     assert rows["ring"]["extra"]["rank_calls"] == [1, 2, 3, 4]
     for r in rows.values():
