@@ -42,7 +42,8 @@ def _case(method, causal, B, T, Hq, Hkv, D, dtype, seed):
     base = None
     if dtype != torch.float32:
         base = [rel_err(a, r) for a, r in zip(sdpa_grads(*low, causal), ref)]
-    return {"errs": errs, "base": base, "fwd": stats.total("fwd"), "bwd": stats.total("bwd")}
+    return {"errs": errs, "base": base, "fwd": stats.total("fwd"), "bwd": stats.total("bwd"),
+            "link_fwd": stats.busiest_link("fwd"), "link_bwd": stats.busiest_link("bwd")}
 
 
 def _check(res, method, n, B, T, Hkv, D, dtype):
@@ -51,6 +52,9 @@ def _check(res, method, n, B, T, Hkv, D, dtype):
         fwd, bwd = expected_bytes(method, n, B, T // n, Hkv, D, torch.finfo(dtype).bits // 8)
         assert r["fwd"] == fwd, f"rank {rank}: forward sent {r['fwd']} bytes, formula says {fwd}"
         assert r["bwd"] == bwd, f"rank {rank}: backward sent {r['bwd']} bytes, formula says {bwd}"
+        # every method here sends everything to the next rank: the ring's P2P hops, and all-gather /
+        # reduce-scatter as gloo and NCCL route them (a ring), so the busiest link carries it all
+        assert (r["link_fwd"], r["link_bwd"]) == (fwd, bwd), f"rank {rank}: busiest link"
 
 
 def _cases():

@@ -141,7 +141,9 @@ class Gathered:
 
 def allgather_start(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | None = None,
                     name: str = "all_gather") -> Gathered:
-    """Post an asynchronous all-gather of ``x``; this rank sends ``N - 1`` copies of it."""
+    """Post an asynchronous all-gather of ``x``; this rank sends ``N - 1`` copies of it (counted as the
+    ring algorithm of gloo and NCCL routes them: all to the next member, like
+    :func:`~seqpar.comm.collectives.all_gather_stack`)."""
     x = x.contiguous()
     out = x.new_empty(info.size, *x.shape)
     if info.single:
@@ -151,9 +153,7 @@ def allgather_start(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | None
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     work = gather(flat, x, group=info.group, async_op=True)
     if stats is not None:
-        for peer in info.global_ranks:
-            if peer != info.global_ranks[info.rank]:
-                stats.add(name, nbytes(x), peer=peer)
+        stats.add(name, (info.size - 1) * nbytes(x), peer=info.peer(1))
     return Gathered(out, work)
 
 

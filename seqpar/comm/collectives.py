@@ -51,7 +51,7 @@ def all_gather_stack(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | Non
         _all_gather_flat(out, flat, info.group)
     out = out.view(info.size, *x.shape)
     if stats is not None:
-        stats.add(name, (info.size - 1) * nbytes(x))
+        _add_ring(info, stats, name, nbytes(x))
     return out
 
 
@@ -67,8 +67,15 @@ def reduce_scatter_stack(info: GroupInfo, x: torch.Tensor, *, stats: CommStats |
         fn(out, x.reshape(-1), group=info.group)
     out = out.view(x.shape[1:])
     if stats is not None:
-        stats.add(name, (info.size - 1) * nbytes(out))
+        _add_ring(info, stats, name, nbytes(out))
     return out
+
+
+def _add_ring(info: GroupInfo, stats: CommStats, name: str, n: int) -> None:
+    """Count a collective that moves ``n`` bytes per member chunk as the ring algorithm routes it
+    (gloo's and NCCL's all-gather and reduce-scatter): N-1 chunks, all to the next member, so
+    busiest-link figures see the (N-1)·n bytes on that link."""
+    stats.add(name, (info.size - 1) * n, peer=info.peer(1))
 
 
 def all_to_all(info: GroupInfo, x: torch.Tensor, *, input_splits: list[int] | None = None,
