@@ -15,13 +15,14 @@ the gap to the MILP solved without a time limit.
 Settings (``--settings``, default all; the original rows are ``fit``):
 
 * ``fit``: the rows above: 512 stdlib file lengths scaled to ``--tokens-per-rank`` (32K, 128K),
-  memory of ``CostModel.default()`` (layer-boundary activation checkpointing, ~410 KB/token).
+  memory of ``CostModel.default()`` (layer-boundary activation checkpointing, ~410 KB/token, and
+  the forward recomputed in backward).
 * ``real-nockpt``: real, unscaled lengths of the ``stdlib-mix`` documents (file-level stdlib
   documents plus repository-level ones: a package's files concatenated, cut at a 128K window),
   drawn until the batch holds ``tokens-per-rank x GPUs`` tokens (8K per GPU), with the memory of
-  training *without* activation checkpointing (~5.9 MB/token for Llama-3-8B, see
-  :func:`no_checkpointing`): the longest document then forces the static SP degree (128K tokens need
-  16 GPUs), the setting of FlexSP's claim.
+  training *without* activation checkpointing (~5.9 MB/token for Llama-3-8B and no recompute,
+  ``CostModel.default(checkpointing="none")``): the longest document then forces the static SP
+  degree (128K tokens need 16 GPUs), the setting of FlexSP's claim.
 * ``real-ckpt``: the same real batches at 8K and 32K tokens per GPU, with checkpointing memory
   (a 128K document fits one GPU): the control for ``real-nockpt``.
 
@@ -45,7 +46,6 @@ import heapq
 import numpy as np
 
 from seqpar.schedulers import ClusterSpec, CostModel, best_static_plan, fit_to_cluster, plan_batch, sample_lengths
-from seqpar.schedulers.cost import MethodCost
 from seqpar.schedulers.data import sample_tokens
 
 # ring-only: the Megatron-CP-like setting; ulysses-only: DeepSpeed-Ulysses-like, FlexSP's baseline
@@ -57,29 +57,6 @@ SETTINGS = {
     "real-nockpt": ("real", "nockpt", (8192,), (64, 256)),
     "real-ckpt": ("real", "ckpt", (8192, 32768), (64, 256)),
 }
-
-
-def no_checkpointing(cm: CostModel, ffn: int = 14336) -> CostModel:
-    """``cm`` with the activation memory of training without activation checkpointing.
-
-    Per layer and token, bf16, flash attention (no s² term), Llama block: the saved inputs of the
-    two RMSNorms and their outputs (4·h), q/k/v projection input (h), q after RoPE and k, v
-    (h + 2·h_kv), the attention output (h), the MLP input (h), gate, up, silu(gate) and their product
-    (4·ffn): 2 bytes x (8·h + 2·h_kv + 4·ffn) = 45·h bytes for Llama-3-8B (ffn = 3.5·h, h_kv = h/4)
-    (cf. 34·h for a GPT block in Korthikanti et al. 2022, "Reducing Activation Recomputation"),
-    i.e. 5.9 MB per token over 32 layers, against ~410 KB with layer-boundary checkpointing. The
-    method-specific buffers of the default model are kept on top.
-    """
-    h, hk, layers = cm.hidden, cm.kv_hidden, cm.layers
-    ckpt = 2 * h * layers + 36 * h  # CostModel.default()'s per-token activation memory
-    full = 2 * (8 * h + 2 * hk + 4 * ffn) * layers
-    methods = []
-    for name, c in cm.methods:
-        fields = {k: getattr(c, k) for k in MethodCost.__dataclass_fields__}
-        fields["m_token"] = c.m_token - ckpt + full
-        methods.append((name, MethodCost(**fields)))
-    return CostModel(methods=tuple(methods), hidden=cm.hidden, kv_hidden=cm.kv_hidden, layers=cm.layers,
-                     n_heads=cm.n_heads, bytes_per_element=cm.bytes_per_element)
 
 
 def forced_degree(lens, cluster, cm, methods):
@@ -123,9 +100,7 @@ def token_balanced_static(lens, cluster, cm, methods):
 
 def run(worlds, batches, num_seqs, loads, time_limit, exact_limit, exact_worlds, exact_batches, setting="fit"):
     lengths, memory = SETTINGS[setting][:2]
-    cm = CostModel.default()
-    if memory == "nockpt":
-        cm = no_checkpointing(cm)
+    cm = CostModel.default(checkpointing="none" if memory == "nockpt" else "layer")
     rows = []
     for n, tokens_per_rank in ((n, t) for t in loads for n in worlds):
         cluster = ClusterSpec.h100(n)

@@ -43,64 +43,9 @@ from pathlib import Path
 import numpy as np
 
 from seqpar.schedulers import fit_to_cluster, plan_batch, sample_lengths, static_plan
+from seqpar.schedulers.measure import phase_plans
 
 DEFAULT_METHODS = ("zigzag_ring", "striped_ring", "ring", "allgather_kv", "ulysses", "usp", "lightseq", "token_ring")
-
-
-# ----------------------------------------------------------------------------- on every rank
-def _inputs(i: int, n: int, heads: int, head_dim: int, seed: int):
-    """q, k, v, dout of batch sequence ``i`` (``[n, H, D]`` fp32 each), a function of (seed, i) only."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed * 1_000_003 + i)
-    return [torch.randn(n, heads, head_dim, generator=g) for _ in range(4)]
-
-
-def _execute_plans(plans_json, lens, heads, head_dim, seed, warmup, repeats):
-    """Runs on every rank: each plan ``warmup`` + ``repeats`` times (round-robin); returns rank 0's
-    ``[(times [repeats] slowest-rank seconds, loss)]`` per plan (other ranks return None)."""
-    import torch
-    import torch.distributed as dist
-
-    from seqpar.schedulers import GroupCache, Plan
-    from seqpar.schedulers.execute import rank_work, train_step
-
-    rank = dist.get_rank()
-    groups = GroupCache()  # built once for every plan: group creation is not part of a step
-    plans = [Plan.from_json(t) for t in plans_json]
-    prepared = []
-    for plan in plans:  # this rank's shard of q, k, v, dout for each plan (data loading, untimed)
-        work = rank_work(plan, lens, rank, groups)
-        if work.empty:
-            prepared.append(None)
-            continue
-        per_seq = {i: _inputs(i, lens[i], heads, head_dim, seed) for i in work.seqs}
-        local = [work.shard(work.pack([per_seq[i][j] if i in per_seq else None for i in range(len(lens))]))
-                 for j in range(4)]
-        prepared.append((local, int(work.real_mask().sum())))
-
-    def step(k):
-        def loss_fn(work):
-            (q, kk, v, dout), count = prepared[k]
-            q, kk, v = (t.clone().requires_grad_(True) for t in (q, kk, v))
-            out = work.attention(q, kk, v, causal=True)
-            return (out * dout).sum(), count  # padding rows of dout are zero
-
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = train_step(plans[k], lens, rank, groups, loss_fn, [])
-        return time.perf_counter() - t0, loss
-
-    times = [[] for _ in plans]
-    losses = [0.0] * len(plans)
-    for r in range(warmup + repeats):
-        for k in range(len(plans)):
-            dt, losses[k] = step(k)
-            if r >= warmup:
-                times[k].append(dt)
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time of each run
-    return [(t[k].tolist(), losses[k]) for k in range(len(plans))] if rank == 0 else None
 
 
 # ----------------------------------------------------------------------------- driver
@@ -137,7 +82,7 @@ def run_batch(lens, cluster, cost, methods, *, nproc, heads, head_dim, seed, war
             return get_pool(nproc, threads_per_rank=1).run(fn, args, {}, timeout=3600)[0]
 
     cands = candidate_plans(lens, cluster, cost, methods, time_limit)
-    res = run(_execute_plans, ([p.to_json() for _, _, p in cands], lens, heads, head_dim, seed, warmup, repeats))
+    res = run(phase_plans, ([p.to_json() for _, _, p in cands], lens, (heads, heads, head_dim), seed, warmup, repeats))
     rows = []
     for (label, kind, plan), (times, loss) in zip(cands, res):
         rows.append({"plan": label, "kind": kind, "predicted_s": plan.estimated_time,
@@ -151,6 +96,22 @@ def run_batch(lens, cluster, cost, methods, *, nproc, heads, head_dim, seed, war
                  best_predicted_static=best_pred["plan"],
                  speedup_predicted=best_pred["predicted_s"] / r["predicted_s"])
     return rows
+
+
+def one_rank_work(lens, cluster, cost, method, *, heads, head_dim, seed, warmup, repeats):
+    """Seconds of the whole batch on one rank alone (a 1-rank pool, one thread, the degree-1 kernel):
+    the total work. No plan on C cores can beat ``work / min(C, nproc)`` (perfect division, free
+    communication), so ``best static / that`` is the most any plan could gain on this machine."""
+    from seqpar.testing import get_pool
+
+    plan = static_plan(lens, cluster.with_world_size(1), 1, method, cost)
+    (times, _), = get_pool(1, threads_per_rank=1).run(
+        phase_plans, ([plan.to_json()], lens, (heads, heads, head_dim), seed, warmup, repeats), {}, timeout=3600)[0]
+    return statistics.median(times)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def batch_lengths(num_seqs, seed, cluster, cost, tokens_per_rank):
@@ -205,13 +166,14 @@ def write(rows, out_dir: Path, header: list[str]):
                      f"{r['predicted_s']:.3f} | {r['measured_s']:.3f} ({r['measured_min_s']:.3f}-"
                      f"{r['measured_max_s']:.3f}) | {r['measured_s'] / r['predicted_s']:.2f} | {r['loss']:.6g} |")
     lines += ["", "| batch | adaptive measured s | best measured static | its s | measured speedup | "
-              "modelled speedup (vs best modelled static) |", "|---|---|---|---|---|---|"]
+              "modelled speedup (vs best modelled static) | whole batch on 1 rank s | ceiling: best static / "
+              "(1 rank / cores) |", "|---|---|---|---|---|---|---|---|"]
     for b in sorted({r["batch"] for r in rows}):
         a = next(r for r in rows if r["batch"] == b and r["kind"] == "adaptive")
         best = next(r for r in rows if r["batch"] == b and r["plan"] == a["best_static"])
         lines.append(f"| {b} | {a['measured_s']:.3f} | {a['best_static']} | {best['measured_s']:.3f} | "
                      f"**{a['speedup_measured']:.2f}x** | {a['speedup_predicted']:.2f}x "
-                     f"({a['best_predicted_static']}) |")
+                     f"({a['best_predicted_static']}) | {a['one_rank_s']:.3f} | {a['ceiling_speedup']:.2f}x |")
     (out_dir / "scheduler_exec.md").write_text("\n".join(lines) + "\n")
 
 
@@ -250,9 +212,14 @@ def main(argv=None) -> int:
         batch_rows = run_batch(lens, cluster, cost, list(args.methods), nproc=args.nproc, heads=args.heads,
                                head_dim=args.head_dim, seed=seed, warmup=args.warmup,
                                repeats=args.repeats, time_limit=args.time_limit)
+        work = one_rank_work(lens, cluster, cost, args.methods[0], heads=args.heads, head_dim=args.head_dim,
+                             seed=seed, warmup=args.warmup, repeats=args.repeats)
+        floor = work / min(usable_cores(), args.nproc)
+        best_static = min(r["measured_s"] for r in batch_rows if r["kind"] == "static")
         for r in batch_rows:
             r.update(batch=b, sample_seed=seed, seqs=len(lens), tokens=sum(lens), max_len=max(lens),
-                     max_over_mean=max(lens) * len(lens) / sum(lens))
+                     max_over_mean=max(lens) * len(lens) / sum(lens), one_rank_s=work, floor_s=floor,
+                     ceiling_speedup=best_static / floor)
         a = batch_rows[0]
         print(f"batch {b}: lens max {max(lens)} / total {sum(lens)}; adaptive {a['measured_s']:.3f}s measured "
               f"({a['predicted_s']:.3f}s modelled); best measured static {a['best_static']}; measured speedup "
@@ -268,7 +235,7 @@ def main(argv=None) -> int:
         "# Executed scheduler plans: measured step time on CPU gloo", "",
         f"- command: `{command}`",
         f"- machine: {platform.platform()}, {os.cpu_count()} CPUs shared by {args.nproc} single-thread ranks "
-        f"(4 ranks on 2 cores: each rank computes ~2x+ slower than alone; the calibration measures that factor); "
+        f"({usable_cores()} usable cores; ranks beyond that share them, which the calibration measures); "
         f"load average before/after: {load_before} / {tuple(round(x, 2) for x in os.getloadavg())}",
         f"- versions: Python {platform.python_version()}, torch {torch.__version__}, seqpar "
         f"{getattr(seqpar, '__version__', '?')}, numpy {np.__version__}",
@@ -281,7 +248,10 @@ def main(argv=None) -> int:
         f"step time = slowest rank, median of {args.repeats} after "
         f"{args.warmup} warm-up (plans interleaved); run time {time.perf_counter() - t0:.0f} s",
         "- speedup: best measured static plan (any degree 1/2/4 x method) / adaptive plan, measured; the modelled "
-        "speedup is against the best modelled static plan", ""]
+        "speedup is against the best modelled static plan",
+        f"- ceiling: no plan can beat the whole batch's time on one rank alone divided by the "
+        f"{min(usable_cores(), args.nproc)} cores the ranks share (perfect division, free communication); "
+        "best measured static / that bound is the largest speedup any plan could show on this machine", ""]
     write(rows, Path(args.out), header)
     print((Path(args.out) / "scheduler_exec.md").read_text())
     return 0

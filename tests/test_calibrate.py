@@ -7,7 +7,8 @@ import pytest
 
 from seqpar.schedulers import ClusterSpec, CostModel, plan_batch
 from seqpar.schedulers.calibrate import (build_models, calibrate, fit_compute, fit_link, load_calibration,
-                                         save_calibration)
+                                         measure_group_scales, save_calibration, tailed_docs)
+from seqpar.schedulers.cost import MethodCost
 
 
 def test_fit_compute_recovers_known_coefficients():
@@ -70,6 +71,64 @@ def test_build_models_from_measurements():
     assert g.quad == pytest.approx(2.1 * z.alpha1 / 4)
     t4 = cost.time("zigzag_ring", 4, [s], cluster)
     assert t4 > 2.1 * z.alpha1 * s * s / 4
+
+
+def test_group_scale_multiplies_the_two_parts_not_memory_and_round_trips(tmp_path):
+    cluster, cost = build_models(_synthetic_measurements(), ["zigzag_ring", "ulysses"])
+    scaled = cost.with_group_scales({"zigzag_ring": {2: (1.5, 3.0), 4: (0.5, 2.0)}})
+    lens = [3000, 700, 64]
+    s1, s2 = sum(lens), sum(s * s for s in lens)
+    for d, (ka, kr) in ((1, (1.5, 3.0)), (2, (1.5, 3.0)), (4, (0.5, 2.0))):  # no entry for 1: the nearest above
+        a, r = cost.group_coeffs("zigzag_ring", d, cluster).parts(s1, s2)
+        assert a > 0 and r > 0
+        assert scaled.time("zigzag_ring", d, lens, cluster) == pytest.approx(ka * a + kr * r)
+        assert scaled.memory("zigzag_ring", d, lens) == cost.memory("zigzag_ring", d, lens)
+    assert scaled.time("ulysses", 4, lens, cluster) == cost.time("ulysses", 4, lens, cluster)
+    assert scaled.coeffs("zigzag_ring").scale(8) == (0.5, 2.0)  # beyond the table: the largest size below
+    path = tmp_path / "scaled.json"
+    scaled.save(path)
+    assert CostModel.load(path) == scaled and scaled.without_group_scales() == cost
+    for bad in ([(3, 1.0, 1.0)], [(2, 0.0, 1.0)], [(2, 1.0, float("nan"))], [(2, 1.0)], [("2", 1.0, 1.0)]):
+        with pytest.raises(ValueError, match="group_scale"):
+            MethodCost(alpha1=1.0, alpha2=1.0, beta1=0.0, m_token=1.0, m_model=1.0, group_scale=bad)
+
+
+def test_fit_group_scale_separates_attention_from_the_rest():
+    from seqpar.schedulers.calibrate import fit_group_scale
+
+    rows = [{"attn_s": a, "rest_s": r, "measured_s": 2.0 * a + 0.5 * r} for a, r in ((1.0, 4.0), (4.0, 8.0), (16, 16))]
+    assert fit_group_scale(rows) == pytest.approx((2.0, 0.5))
+    # one row, or rows that cannot tell the parts apart: one common factor (the median ratio)
+    assert fit_group_scale(rows[:1]) == pytest.approx((0.8, 0.8))  # (2·1 + 0.5·4) / (1 + 4)
+    assert fit_group_scale(rows[:2]) == pytest.approx((0.9, 0.9))  # two rows: one factor, the median ratio
+    same = [{"attn_s": s, "rest_s": s, "measured_s": 3.0 * s} for s in (1.0, 2.0, 4.0)]
+    k = fit_group_scale(same)
+    assert k[0] * 1 + k[1] * 1 == pytest.approx(3.0) and min(k) > 0
+
+
+def test_measure_group_scales_is_measured_over_modelled():
+    """With a stand-in for the ranks that 'measures' 3x (g=1) and 0.5x (g=2, 4) of each plan's
+    estimate, both factors are exactly those; g = 1 runs one plan and counts for every method."""
+    from seqpar.schedulers.plan import Plan
+
+    cluster, cost = build_models(_synthetic_measurements(), ["zigzag_ring", "ulysses"])
+    calls = []
+
+    def fake_run(fn, plans_json, lens, shape, seed, warmup, repeats):
+        plans = [Plan.from_json(t) for t in plans_json]
+        calls.append((len(plans), {g.size for p in plans for g in p.groups}))
+        return [([p.estimated_time * (3.0 if p.groups[0].size == 1 else 0.5)] * repeats, 0.0) for p in plans]
+
+    batches = [(g, tailed_docs(g * c) * (4 // g)) for c in (1000, 3000) for g in (1, 2, 4)]
+    assert tailed_docs(1000) == [500, 250, 125, 125] and sum(batches[1][1]) == 4000
+    scales, rows = measure_group_scales(fake_run, cluster, cost, ["zigzag_ring", "ulysses"], batches, (4, 2, 16), 2)
+    assert set(scales) == {"zigzag_ring", "ulysses"}
+    for m in scales:
+        assert set(scales[m]) == {1, 2, 4}
+        for g, k in scales[m].items():
+            assert k == pytest.approx((3.0, 3.0) if g == 1 else (0.5, 0.5)), (m, g)
+    assert calls == [(1, {1}), (2, {2}), (2, {4})] * 2 and len(rows) == 10
+    assert all(r["ratio"] == pytest.approx(3.0 if r["group_size"] == 1 else 0.5) for r in rows)
 
 
 def test_compute_slowdown_model():
@@ -142,6 +201,10 @@ def test_calibrate_quick_on_two_cpu_ranks(tmp_path):
     assert {(g, kind) for g, kind, *_ in cluster.measured_links} == {(2, "p2p"), (2, "all_to_all"), (2, "all_gather")}
     for _, c in cost.methods:
         assert c.alpha1 + c.alpha2 > 0 and c.m_token > 0
+        # the last phase timed real packed steps on groups of 1 and 2: a positive factor for each
+        assert [e[0] for e in c.group_scale] == [1, 2] and all(min(e[1:]) > 0 for e in c.group_scale)
+    assert {(r["method"], r["group_size"]) for r in data["measurements"]["groups"]} == \
+        {("zigzag_ring", 1), ("zigzag_ring", 2), ("ulysses", 2), ("ring", 2)}
     # the scheduler can plan with it (on this 2-rank CPU machine)
     plan = plan_batch([900, 300, 200, 100], cluster, cost, time_limit=1.0)
     assert sorted(i for g in plan.groups for i in g.seqs) == [0, 1, 2, 3]

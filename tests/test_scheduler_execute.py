@@ -192,7 +192,9 @@ def _bench_module():
 
 
 def _bench_child(*args):
-    return _bench_module()._execute_plans(*args)
+    from seqpar.schedulers.measure import phase_plans
+
+    return phase_plans(*args)
 
 
 def test_bench_scheduler_exec_tiny():
@@ -200,6 +202,7 @@ def test_bench_scheduler_exec_tiny():
     each executed step gives the float64 single-rank loss of the same batch (so every plan really
     computed the whole batch's attention), and the speedup is the best measured static over adaptive."""
     from seqpar.schedulers import CostModel, MethodCost
+    from seqpar.schedulers.measure import _plan_inputs
 
     bench = _bench_module()
     start = time.perf_counter()
@@ -217,7 +220,7 @@ def test_bench_scheduler_exec_tiny():
                       "static 4xzigzag_ring", "static 4xulysses"]
     ref = 0.0  # float64, one rank: sum over sequences of <causal attention(q, k, v), dout>, / tokens
     for i, n in enumerate(lens):
-        q, k, v, dout = (t.double() for t in bench._inputs(i, n, heads, head_dim, seed))
+        q, k, v, dout = (t.double() for t in _plan_inputs(i, n, (heads, heads, head_dim), seed))
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              is_causal=True).transpose(0, 1)
         ref += float((out * dout).sum())

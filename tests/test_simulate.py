@@ -113,10 +113,14 @@ def test_validate_on_two_ranks_bytes_exact_and_rows_complete():
     cal = build_models(meas, list(SOFTMAX_METHODS))
     methods = ["zigzag_ring", "allgather_kv", "token_ring", "ulysses"]
     rows = validate(world_sizes=[2], seq_len=64, heads=4, kv_heads=2, head_dim=16, methods=methods,
-                    calibration=cal, repeats=1, warmup=0, progress=False)
+                    calibration=cal, repeats=1, warmup=0, progress=False, group_scales=True)
     assert [r["method"] for r in rows] == methods and not any(r["error"] for r in rows)
     for r in rows:
         assert r["measured_bytes"] == pytest.approx(r["predicted_bytes"]), r["method"]
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0
+        # the prediction is the formula corrected by what the method measured at T/8, T/4, T/2 on 2 ranks
+        ka, kr = r["group_scale"]
+        assert min(ka, kr) > 0 and min(ka, kr) * r["formula_ms"] <= r["predicted_ms"] * (1 + 1e-9)
+        assert r["predicted_ms"] <= max(ka, kr) * r["formula_ms"] * (1 + 1e-9)
     s = summary(rows)
     assert s["rows"] == len(methods) and s["max_abs_error"] >= s["median_abs_error"]

@@ -25,7 +25,14 @@ phases (one progress-bar step each):
   (:func:`fit_link`, ``ClusterSpec.measured_links``);
 * overlap: a ring exchange issued before the compute kernel and waited for after it, against the
   two alone: ``overlap = (t_compute + t_comm - t_both) / min(t_compute, t_comm)`` in [0, 1];
-* memory: bytes saved for backward per token (saved-tensor hooks) plus q, k, v, out.
+* memory: bytes saved for backward per token (saved-tensor hooks) plus q, k, v, out;
+* groups (``groups=True``): the model above composes single-rank compute, core sharing and links,
+  which misses what only a real group shows (one big Ulysses kernel over fewer heads, LightSeq's
+  helper traffic, gloo progress under load). So every method then runs real packed training steps
+  on every group size g at once (:func:`measure_group_scales`: the world tiled by groups of g, each
+  packing long-tailed documents of ``group_tokens`` tokens per rank) and a fit of the measured
+  times to the model's attention part and the rest gives ``MethodCost.group_scale`` for (method, g)
+  (:func:`fit_group_scale`). g = 1 runs once (every method runs the same local kernel alone).
 
 The coefficients are per attention layer times ``layers`` (the CostModel's ``layers`` scales the
 communication the same way). The JSON file (:func:`save_calibration`) is
@@ -49,7 +56,7 @@ import numpy as np
 from .cluster import ClusterSpec, is_power_of_two
 from .cost import SOFTMAX_METHODS, CostModel, MethodCost
 from .measure import (phase_compute, phase_links, phase_memory, phase_overlap,
-                      phase_slowdown)
+                      phase_plans, phase_slowdown)
 
 FORMAT = "seqpar-calibration"
 DEFAULT_SEQ_LENS = (1024, 2048, 4096)
@@ -183,7 +190,8 @@ def calibrate(*, nproc: int | None = None, methods: Sequence[str] | None = None,
               seq_lens: Sequence[int] | None = None, heads: int = 8, kv_heads: int | None = None,
               head_dim: int = 32, layers: int = 1, quick: bool = False, repeats: int | None = None,
               out: str | Path | None = None, progress: bool = True, share_compute: bool = False,
-              command: str | None = None) -> tuple[ClusterSpec, CostModel]:
+              command: str | None = None, groups: bool = True,
+              group_tokens: Sequence[int] | None = None) -> tuple[ClusterSpec, CostModel]:
     """Measure this machine; return (ClusterSpec, CostModel) and write ``out`` (JSON) when given.
 
     nproc: local CPU ranks to spawn (default 4; ignored under torchrun, which sets the world).
@@ -192,6 +200,10 @@ def calibrate(*, nproc: int | None = None, methods: Sequence[str] | None = None,
     quick: short lengths, few repeats, one method's compute fit shared by all (for tests).
     share_compute: time only the first method's single-rank kernel and share its fit (on one rank
     every softmax method runs the same local block kernel; their timings differ only by noise).
+    groups: also time real packed steps of every method on every group size and store the fitted
+    corrections as ``group_scale`` (the last phase; see the module docstring). group_tokens: tokens
+    per rank of those steps (default: the two largest ``seq_lens``, one common factor per (method, g);
+    three or more give separate attention / rest factors; --quick: the largest).
     """
     import seqpar
 
@@ -215,6 +227,9 @@ def calibrate(*, nproc: int | None = None, methods: Sequence[str] | None = None,
              ("core sharing", lambda: run(phase_slowdown, methods[0], mid, shape, reps)),
              ("links", lambda: run(phase_links, QUICK_MESSAGE_BYTES if quick else DEFAULT_MESSAGE_BYTES, reps)),
              ("overlap", None), ("memory", lambda: run(phase_memory, methods[0], mid, shape))]
+    if groups:
+        steps.append(("groups", None))
+    tokens = list(group_tokens) if group_tokens else sorted(seq_lens)[-1 if quick else -2:]
     with _progress(progress and rank0, len(steps)) as advance:
         for name, fn in steps:
             advance(f"calibrate: {name}")
@@ -223,6 +238,10 @@ def calibrate(*, nproc: int | None = None, methods: Sequence[str] | None = None,
                 tc = meas["compute"][timed[0]][seq_lens.index(mid)] * meas["core sharing"][world]
                 message = min(64 << 20, max(64 << 10, bw * tc))
                 meas[name] = run(phase_overlap, methods[0], mid, shape, message, reps)
+            elif name == "groups":
+                cluster, cost = build_models(meas, methods)
+                batches = [(g, tailed_docs(g * c) * (world // g)) for c in tokens for g in cluster.group_sizes()]
+                _, meas[name] = measure_group_scales(run, cluster, cost, methods, batches, shape, reps)
             else:
                 meas[name] = fn()
     meas["loadavg_after"] = _loadavg()
@@ -252,6 +271,70 @@ def _jsonable(x):
     return x
 
 
+def tailed_docs(total: int) -> list[int]:
+    """A long-tailed packed batch of ``total`` tokens: documents of 1/2, 1/4, 1/8 and the rest."""
+    docs = [total // 2, total // 4, total // 8]
+    return [x for x in docs + [total - sum(docs)] if x > 0]
+
+
+def measure_group_scales(run, cluster: ClusterSpec, cost: CostModel, methods: Sequence[str],
+                         batches: Sequence[tuple[int, list[int]]], shape: tuple[int, int, int], repeats: int,
+                         *, warmup: int = 1, seed: int = 0) -> tuple[dict, list[dict]]:
+    """Measured corrections per (method, group size): ``({method: {g: (k_attn, k_rest)}}, rows)``.
+
+    ``batches``: ``(g, seq_lens)`` pairs; each is planned with :func:`static_plan` (groups of g tiling
+    ``cluster``'s world, sequences balanced over them) for every method that can run on g ranks
+    (g = 1 once, for all methods), executed by ``run(phase_plans, ...)`` on the world's ranks and
+    timed (median of the slowest rank). Each row keeps the measured time and the modelled parts
+    ``A`` (attention) and ``R`` (the rest) of the plan's slowest group under ``cost`` without group
+    scales; :func:`fit_group_scale` turns a (method, g)'s rows into its factors.
+    """
+    from .greedy import static_plan
+
+    cost = cost.without_group_scales()
+    rows = []
+    for g, lens in batches:
+        todo = [m for m in (methods[:1] if g == 1 else methods) if cost.supports(m, g)]
+        plans = [static_plan(lens, cluster, g, m, cost) for m in todo]
+        res = run(phase_plans, [p.to_json() for p in plans], lens, shape, seed, warmup, repeats)
+        for m, p, (times, _) in zip(todo, plans, res):
+            gc = cost.group_coeffs(m, g, cluster)
+            a, r = max((gc.parts(sum(lens[i] for i in grp.seqs), sum(lens[i] ** 2 for i in grp.seqs))
+                        for grp in p.groups), key=sum)
+            measured = float(np.median(times))
+            rows.append({"method": m, "group_size": g, "tokens": sum(lens), "measured_s": measured,
+                         "modelled_s": a + r, "attn_s": a, "rest_s": r, "ratio": measured / (a + r)})
+    return group_scales_from(rows, methods), rows
+
+
+def fit_group_scale(rows: Sequence[dict]) -> tuple[float, float]:
+    """``(k_attn, k_rest)`` with ``measured ≈ k_attn·attn_s + k_rest·rest_s`` over ``rows``
+    (non-negative least squares on relative error). Two factors need at least three rows (two
+    points fit any two factors exactly, noise included); with fewer, or when the rows cannot tell
+    the two parts apart (a factor fits to 0), one common factor: the median ratio."""
+    common = float(np.median([r["measured_s"] / (r["attn_s"] + r["rest_s"]) for r in rows]))
+    if len(rows) >= 3:
+        t = np.array([r["measured_s"] for r in rows])
+        a = np.array([[r["attn_s"], r["rest_s"]] for r in rows]) / t[:, None]
+        ka, kr = _nonneg_lstsq(a, np.ones(len(rows)))
+        if ka > 0 and kr > 0:
+            return float(ka), float(kr)
+    return common, common
+
+
+def group_scales_from(rows: Sequence[dict], methods: Sequence[str]) -> dict:
+    """``{method: {g: (k_attn, k_rest)}}`` from :func:`measure_group_scales` rows (g = 1 for every method)."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["method"], int(r["group_size"])), []).append(r)
+    out: dict = {}
+    for (m, g), rs in sorted(by.items(), key=lambda kv: kv[0][1]):
+        k = fit_group_scale(rs)
+        for mm in (methods if g == 1 else [m]):
+            out.setdefault(mm, {})[g] = k
+    return out
+
+
 def build_models(meas: dict, methods: Sequence[str]) -> tuple[ClusterSpec, CostModel]:
     """Turn the measurements of :func:`calibrate` into (ClusterSpec, CostModel)."""
     from .cost import method_buffers
@@ -270,6 +353,8 @@ def build_models(meas: dict, methods: Sequence[str]) -> tuple[ClusterSpec, CostM
                                     m_token_full=full)))
     cost = CostModel(methods=tuple(costs), hidden=h * d, kv_hidden=hk * d, layers=layers, n_heads=h,
                      bytes_per_element=int(mem["element_size"]), grad_bytes_per_element=4)  # fp32 dK,dV, dq
+    if meas.get("groups"):
+        cost = cost.with_group_scales(group_scales_from(meas["groups"], methods))
     links = _fit_links(meas["links"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     rpn = local if is_power_of_two(local) and world % local == 0 else world
@@ -352,6 +437,18 @@ def print_calibration(cluster: ClusterSpec, cost: CostModel, title: str = "seqpa
         for r in links:
             t.add_row(*r)
         console.print(t)
+    scaled = [(n, c.group_scale) for n, c in cost.methods if c.group_scale]
+    if scaled:
+        sizes = sorted({e[0] for _, t in scaled for e in t})
+        t = Table(title="group scale k_attn / k_rest per group size: measured packed steps = k_attn x modelled "
+                  "attention part + k_rest x the rest")
+        t.add_column("method")
+        for g in sizes:
+            t.add_column(f"g={g}", justify="right")
+        for n, table in scaled:
+            k = {d: (ka, kr) for d, ka, kr in table}
+            t.add_row(n, *(f"{k[g][0]:.2f} / {k[g][1]:.2f}" if g in k else "-" for g in sizes))
+        console.print(t)
     console.print(notes)
 
 
@@ -377,6 +474,10 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                    "shared by all (seconds; for tests)")
     p.add_argument("--share-compute", action="store_true", help="time one method's single-rank kernel and share "
                    "its fit (they run the same kernel on one rank)")
+    p.add_argument("--no-groups", action="store_true", help="skip the last phase (real packed steps of every "
+                   "method and group size, whose measured/modelled ratio scales the model)")
+    p.add_argument("--group-tokens", default=None, help="tokens per rank of those steps, e.g. 2k,4k "
+                   "(default: the two largest --seq-lens)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -387,7 +488,9 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         cluster, cost = calibrate(nproc=args.nproc, methods=methods, seq_lens=lens, heads=args.heads,
                                   kv_heads=args.kv_heads, head_dim=args.head_dim, layers=args.layers,
                                   quick=args.quick, repeats=args.repeats, out=args.out,
-                                  progress=not args.no_progress, share_compute=args.share_compute)
+                                  progress=not args.no_progress, share_compute=args.share_compute,
+                                  groups=not args.no_groups,
+                                  group_tokens=_int_list(args.group_tokens) if args.group_tokens else None)
     except ValueError as exc:
         print(f"seqpar calibrate: error: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,6 @@ Every formula is linear in (S1, S2) inside the max, so the MILP of :mod:`.milp` 
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import numbers
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .cluster import ClusterSpec, is_power_of_two
+from .schedule_terms import _schedule_bytes, attention_factor
 
 SOFTMAX_METHODS = ("zigzag_ring", "ulysses", "usp", "token_ring", "lightseq", "allgather_kv",
                    "striped_ring", "ring")
@@ -38,9 +38,9 @@ _RING_FAMILY = ("ring", "zigzag_ring", "striped_ring")
 # Default GPU numbers (H100 SXM, bf16), used by CostModel.default():
 #   attention: 400e12 FLOP/s effective for flash attention fwd+bwd (FA2/FA3 reach 350-600 TFLOP/s on
 #     H100 at long lengths; 400 is a conservative middle). FLOPs per layer: 4·s²·hidden (QKᵀ and PV),
-#     ×0.5 causal, ×3.5 forward+backward (backward ≈ 2.5× forward).
-#   linear part: 6·P FLOPs per token (forward+backward of every weight) at 450e12 FLOP/s (≈45% of the
-#     989 TFLOP/s dense bf16 peak, a typical MFU for 8B-class training).
+#     ×0.5 causal, ×3.5 forward+backward (backward ≈ 2.5× forward), +1 forward when recomputed.
+#   linear part: 6·P FLOPs per token (forward+backward of every weight; 8·P with recompute) at
+#     450e12 FLOP/s (≈45% of the 989 TFLOP/s dense bf16 peak, a typical MFU for 8B-class training).
 #   beta1: 1 ms per group step for launches and varlen metadata (≈ 30 µs per layer).
 #   memory: M_model 12e9 bytes (sharded optimizer states, one gathered layer, CUDA context and
 #     workspace); M_token = bf16 layer inputs kept by layer-boundary checkpointing (2·hidden·layers
@@ -78,6 +78,14 @@ class MethodCost:
     m_token_full: bytes per token of the whole group's batch every rank of a group of d > 1 holds
         (e.g. the gathered K,V of all-gather KV); not divided by d.
     comm_scale: multiplies the modelled communication time (a calibration knob; 1 = the formula).
+    group_scale: ``((d, k_attn, k_rest), ...)``: measured corrections of this method on groups of d
+        ranks on the calibrated machine (``seqpar calibrate`` times real packed steps of every group
+        size and fits ``measured = k_attn·A + k_rest·R`` over them, :func:`.calibrate.fit_group_scale`):
+        ``k_attn`` multiplies the attention part ``A = max(quad·S2, overlap·S1)`` of
+        :meth:`CostModel.group_coeffs` (compute and the communication hidden under it), ``k_rest`` the
+        rest ``R = const + lin·S1`` (linear work, exposed communication, latencies). A size not in
+        the table takes the nearest measured one below it (else above). Empty (the default): the
+        formula alone. Tied to the machine it was measured on: projections elsewhere drop it.
     """
 
     alpha1: float
@@ -87,12 +95,34 @@ class MethodCost:
     m_model: float
     m_token_full: float = 0.0
     comm_scale: float = 1.0
+    group_scale: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        table = {}
+        for entry in self.group_scale:
+            try:
+                d, ka, kr = entry
+            except (TypeError, ValueError):
+                raise ValueError(f"group_scale: expected (group size, k_attn, k_rest) triples, got {entry!r}") from None
+            if not (isinstance(d, int) and not isinstance(d, bool) and is_power_of_two(d)) or not all(
+                    isinstance(k, (int, float)) and not isinstance(k, bool) and 0 < k < math.inf for k in (ka, kr)):
+                raise ValueError(f"group_scale: entry {entry!r} needs a power-of-two group size and two positive "
+                                 f"finite factors")
+            table[d] = (float(ka), float(kr))
+        object.__setattr__(self, "group_scale", tuple((d, *k) for d, k in sorted(table.items())))
         for f in fields(self):
+            if f.name == "group_scale":
+                continue
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
                 raise ValueError(f"{f.name}: expected a non-negative finite number, got {value!r}")
+
+    def scale(self, group_size: int) -> tuple[float, float]:
+        """``(k_attn, k_rest)`` of :attr:`group_scale` for ``group_size`` ((1, 1) when none was measured)."""
+        if not self.group_scale:
+            return 1.0, 1.0
+        below = [k for d, *k in self.group_scale if d <= group_size]
+        return tuple(below[-1] if below else self.group_scale[0][1:])
 
 
 @dataclass(frozen=True)
@@ -108,9 +138,13 @@ class GroupCoeffs:
 
     def time(self, s1: float, s2: float) -> float:
         """Step time in seconds of a group whose sequences sum to s1 tokens and s2 tokens²."""
+        return sum(self.parts(s1, s2))
+
+    def parts(self, s1: float, s2: float) -> tuple[float, float]:
+        """``(A, R)``: the attention part ``max(quad·s2, overlap·s1)`` and the rest ``const + lin·s1``."""
         if s1 <= 0:
-            return 0.0
-        return self.const + self.lin * s1 + max(self.quad * s2, self.overlap * s1)
+            return 0.0, 0.0
+        return max(self.quad * s2, self.overlap * s1), self.const + self.lin * s1
 
     def memory(self, s1: float) -> float:
         """Peak bytes per rank for s1 tokens in the group."""
@@ -170,22 +204,40 @@ class CostModel:
     @classmethod
     def default(cls, hidden: int = 4096, kv_hidden: int = 1024, layers: int = 32, n_heads: int = 32,
                 ffn: int = 14336, vocab: int = 128256, attention_flops: float = GPU_ATTENTION_FLOPS,
-                gemm_flops: float = GPU_GEMM_FLOPS, methods: Iterable[str] = KNOWN_METHODS) -> "CostModel":
+                gemm_flops: float = GPU_GEMM_FLOPS, methods: Iterable[str] = KNOWN_METHODS,
+                checkpointing: str = "layer") -> "CostModel":
         """Coefficients for H100-class GPUs, derived from FLOP counts (defaults: Llama-3-8B shape).
 
-        alpha1 = 4·hidden·0.5 (causal)·3.5 (fwd+bwd)·layers / attention_flops;
-        alpha2 = 6·P / gemm_flops with P = layers·(2·hidden² + 2·hidden·kv_hidden + 3·hidden·ffn)
-        + vocab·hidden; numbers and their sources are next to the constants of this module.
+        alpha1 = 4·hidden·0.5 (causal)·passes·layers / attention_flops;
+        alpha2 = 2·passes·P / gemm_flops with P = layers·(2·hidden² + 2·hidden·kv_hidden + 3·hidden·ffn)
+        + vocab·hidden, where ``passes`` is 3.5 for attention (backward ≈ 2.5× forward) and 3 for the
+        weights (backward = 2× forward), each +1 forward when activations are recomputed.
         Linear-attention methods (zeco, lasp2) get alpha1 = 0 and the chunked (chunk 64) linear
-        attention FLOPs, ~(2·64 + 4·head_dim)·hidden per token and layer ×3.5, at half the rate.
+        attention FLOPs, ~(2·64 + 4·head_dim)·hidden per token and layer × passes, at half the rate.
+
+        checkpointing: ``"layer"`` (the default; what long-context training uses): only each decoder
+            layer's bf16 input is kept (2·hidden·layers bytes per token) plus one layer's recompute
+            working set (~36·hidden), ≈ 410 KB/token for Llama-3-8B, and backward recomputes the
+            forward. ``"none"``: every activation a Llama block saves is kept — per layer and token the
+            two RMSNorms' inputs and outputs (4·h), the q/k/v projection input (h), q after RoPE and
+            k, v (h + 2·h_kv), the attention output (h), the MLP input (h) and gate, up, silu(gate)
+            and their product (4·ffn) in bf16: 2·(8·h + 2·h_kv + 4·ffn) bytes (5.9 MB/token over 32
+            layers of Llama-3-8B; cf. 34·h per GPT block in Korthikanti et al. 2022) — no recompute.
         """
+        if checkpointing not in ("layer", "none"):
+            raise ValueError(f"checkpointing: expected 'layer' or 'none', got {checkpointing!r}")
         e = 2
+        recompute = 1 if checkpointing == "layer" else 0
         params = layers * (2 * hidden * hidden + 2 * hidden * kv_hidden + 3 * hidden * ffn) + vocab * hidden
-        alpha1 = 4 * hidden * 0.5 * 3.5 * layers / attention_flops
-        alpha2 = 6 * params / gemm_flops
+        attn_passes = 3.5 + recompute
+        alpha1 = 4 * hidden * 0.5 * attn_passes * layers / attention_flops
+        alpha2 = 2 * (3 + recompute) * params / gemm_flops
         head_dim = hidden // n_heads
-        m_token = e * hidden * layers + 36 * hidden
-        linear_attn = (2 * 64 + 4 * head_dim) * hidden * 3.5 * layers / (attention_flops / 2)
+        if checkpointing == "layer":
+            m_token = e * hidden * layers + 36 * hidden
+        else:
+            m_token = e * (8 * hidden + 2 * kv_hidden + 4 * ffn) * layers
+        linear_attn = (2 * 64 + 4 * head_dim) * hidden * attn_passes * layers / (attention_flops / 2)
         out = []
         for name in methods:
             if name not in KNOWN_METHODS:
@@ -228,7 +280,8 @@ class CostModel:
         Compute (alpha2, beta1) is multiplied by ``cluster.compute_slowdown()`` (ranks sharing cores;
         1 on GPUs) and the attention term by :func:`attention_factor` (imbalance and core sharing).
         Of the communication a method overlaps, the fraction ``cluster.overlap_factor`` hides under
-        the attention compute and the rest adds up.
+        the attention compute and the rest adds up. A calibrated :attr:`MethodCost.group_scale`
+        multiplies ``quad`` and ``overlap`` by its k_attn and ``const`` and ``lin`` by its k_rest.
         Raises ValueError when the method cannot run at this size (see :meth:`supports`).
         """
         c = self.coeffs(method)
@@ -241,9 +294,10 @@ class CostModel:
         slow = cluster.compute_slowdown()
         lin_comm, overlap, const_comm = self._comm_terms(method, d, cluster)
         s, o = c.comm_scale, cluster.overlap_factor
-        return GroupCoeffs(const=slow * c.beta1 + s * const_comm,
-                           lin=slow * c.alpha2 / d + s * (lin_comm + (1 - o) * overlap),
-                           quad=c.alpha1 * attention_factor(method, d, slow) / d, overlap=s * o * overlap,
+        ka, kr = c.scale(d)
+        return GroupCoeffs(const=kr * (slow * c.beta1 + s * const_comm),
+                           lin=kr * (slow * c.alpha2 / d + s * (lin_comm + (1 - o) * overlap)),
+                           quad=ka * c.alpha1 * attention_factor(method, d, slow) / d, overlap=ka * s * o * overlap,
                            mem_const=c.m_model, mem_lin=c.m_token / d + (c.m_token_full if d > 1 else 0.0))
 
     def comm_parts(self, method: str, d: int, cluster: ClusterSpec) -> tuple[list[tuple], float]:
@@ -369,6 +423,9 @@ class CostModel:
             unknown = sorted(set(raw) - {f.name for f in fields(MethodCost)})
             if missing or unknown:
                 raise ValueError(f"{source}: method {name!r}: missing {missing} / unknown {unknown} coefficients")
+            if isinstance(raw.get("group_scale"), list):
+                raw = dict(raw, group_scale=tuple(tuple(e) if isinstance(e, list) else e
+                                                  for e in raw["group_scale"]))
             try:
                 methods.append((name, MethodCost(**raw)))
             except (TypeError, ValueError) as exc:
@@ -396,71 +453,20 @@ class CostModel:
             raise ValueError(f"cost model file {str(path)!r}: cannot be read ({exc})") from None
         return cls.from_json(text, source=f"cost model file {str(path)!r}", required=required)
 
+    def with_group_scales(self, scales: dict) -> "CostModel":
+        """A copy whose methods get ``scales[method] = {group size: (k_attn, k_rest)}`` (``group_scale``);
+        ``{}`` for a method (or ``without_group_scales``) removes its table."""
+        def scaled(n, c):
+            return replace(c, group_scale=tuple((d, *k) for d, k in scales[n].items())) if n in scales else c
+        return replace(self, methods=tuple((n, scaled(n, c)) for n, c in self.methods))
+
+    def without_group_scales(self) -> "CostModel":
+        """A copy with no measured group factors (for projecting to hardware other than the calibrated)."""
+        return self.with_group_scales({n: {} for n in self.method_names})
+
     def with_methods(self, names: Iterable[str]) -> "CostModel":
         """A copy restricted to ``names`` (in that order)."""
         return replace(self, methods=tuple((n, self.coeffs(n)) for n in names))
-
-
-@functools.lru_cache(maxsize=4096)
-def _schedule_bytes(method: str, n: int, hq: int, hkv: int, head_dim: int, e: int, acc: int) -> float:
-    """Bytes the busiest rank sends in one causal fwd+bwd with c = 1 token per rank (scale by c).
-
-    token_ring (zigzag, queries toward r-1, ALGORITHMS.md §2): rank r sends q_rows query rows (fwd:
-    q; bwd: q, dout, fp32 lse and delta) and out_rows partial rows (fwd: out + fp32 lse; bwd: fp32 dq)
-    with q_rows = (n-1)/2 for r = 0 else (n-r) + (r-1)/2, out_rows = (n-1-r) + r/2.
-    lightseq (§3): at t = 1..n//2 a rank sends K,V forward if r+t < n, else its queries to a helper
-    (when helpers work, n-t > t); a helper returns (out, lse) and dq; bwd returns dK,dV (fp32).
-    """
-    q, lse, kv = hq * head_dim, hq, 2 * hkv * head_dim
-    best = 0.0
-    for r in range(n):
-        if method == "token_ring":
-            q_rows = (n - 1) / 2 if r == 0 else (n - r) + (r - 1) / 2
-            out_rows = (n - 1 - r) + r / 2
-            sent = q_rows * (q * e + 2 * q * e + 2 * lse * 4) + out_rows * (q * e + lse * 4 + q * acc)
-        else:
-            sent = 0.0
-            for t in range(1, n // 2 + 1):
-                helpers = t < n - t
-                if r + t < n:
-                    sent += 2 * kv * e
-                elif helpers:
-                    sent += q * e + 2 * q * e + 2 * lse * 4
-                if r >= t:
-                    sent += kv * acc
-                elif helpers:
-                    sent += q * e + lse * 4 + q * acc
-        best = max(best, sent)
-    return best
-
-
-def attention_factor(method: str, d: int, slowdown: float = 1.0) -> float:
-    """Slowest rank's attention time over the perfectly divided single-rank time ``α1·S2/d``.
-
-    With a device per rank (``slowdown == 1``) it is the schedule's :func:`causal_imbalance`. When
-    the d ranks share cores (each computing ``slowdown`` times slower when all are busy), a rank
-    with less work finishes early and frees its core: the slowest rank then needs about
-    ``max(its own work, the node's total work / effective cores)`` = ``max(imbalance, slowdown)``
-    times the average work, not their product (contiguous ring on 8 ranks and 2 cores runs at the
-    speed of the total work, its imbalance hidden by the oversubscription).
-    """
-    return max(causal_imbalance(method, d), slowdown)
-
-
-def causal_imbalance(method: str, d: int) -> float:
-    """Slowest rank's causal attention work over the average (the schedule bound is its inverse).
-
-    ring (contiguous): the last rank computes its diagonal (half a block) and d-1 full blocks while the
-    average is d/2 blocks: (2d-1)/d. lightseq, even d: d/2 steps plus the diagonal against d/2 blocks
-    of average work: (d+1)/d (odd d is balanced). The zigzag/striped layouts and Ulysses balance.
-    """
-    if d <= 1:
-        return 1.0
-    if method == "ring":
-        return (2 * d - 1) / d
-    if method == "lightseq" and d % 2 == 0:
-        return (d + 1) / d
-    return 1.0
 
 
 def _check_lens(seq_lens: Sequence[int], *, allow_empty: bool = False, argument: str = "seq_lens") -> list[int]:

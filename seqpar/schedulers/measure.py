@@ -229,3 +229,66 @@ def phase_memory(method, s, shape) -> dict:
         device_memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / dist.get_world_size()
     return {"bytes_per_token": (io + saved) / s, "rss": rss, "memory_per_rank": device_memory,
             "element_size": q.element_size(), "device": str(dev)}
+
+
+def _plan_inputs(i: int, n: int, shape: tuple[int, int, int], seed: int):
+    """q, k, v, dout of batch sequence ``i`` (``[n, H, D]`` / ``[n, Hkv, D]`` fp32), a function of (seed, i)."""
+    import torch
+
+    h, hk, d = shape
+    g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+    return [torch.randn(n, heads, d, generator=g) for heads in (h, hk, hk, h)]
+
+
+def phase_plans(plans_json, lens, shape, seed: int, warmup: int, repeats: int):
+    """Execute scheduler plans as one attention layer's training step each; returns rank 0's
+    ``[(times, loss)]`` per plan: ``times`` the slowest rank's seconds of every timed repeat.
+
+    Each rank takes its group's sequences as one packed batch (:func:`.execute.rank_work`), runs
+    causal ``seqpar.attention`` forward and backward with its group's method through
+    :func:`.execute.train_step` (global loss normalisation and a world all-reduce, so every rank
+    waits for the slowest group), from a barrier to the return. Plans run round-robin so a change
+    of outside load hits them alike; process groups are built once, before timing.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .execute import GroupCache, rank_work, train_step
+    from .plan import Plan
+
+    rank = dist.get_rank()
+    groups = GroupCache()
+    plans = [Plan.from_json(t) for t in plans_json]
+    prepared = []
+    for plan in plans:  # this rank's shard of q, k, v, dout for each plan (data loading, untimed)
+        work = rank_work(plan, lens, rank, groups)
+        if work.empty:
+            prepared.append(None)
+            continue
+        per_seq = {i: _plan_inputs(i, lens[i], shape, seed) for i in work.seqs}
+        local = [work.shard(work.pack([per_seq[i][j] if i in per_seq else None for i in range(len(lens))]))
+                 for j in range(4)]
+        prepared.append((local, int(work.real_mask().sum())))
+
+    def step(k):
+        def loss_fn(work):
+            (q, kk, v, dout), count = prepared[k]
+            q, kk, v = (t.clone().requires_grad_(True) for t in (q, kk, v))
+            out = work.attention(q, kk, v, causal=True)
+            return (out * dout).sum(), count  # padding rows of dout are zero
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = train_step(plans[k], lens, rank, groups, loss_fn, [])
+        return time.perf_counter() - t0, loss
+
+    times = [[] for _ in plans]
+    losses = [0.0] * len(plans)
+    for r in range(warmup + repeats):
+        for k in range(len(plans)):
+            dt, losses[k] = step(k)
+            if r >= warmup:
+                times[k].append(dt)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time of each run
+    return [(t[k].tolist(), losses[k]) for k in range(len(plans))] if rank == 0 else None

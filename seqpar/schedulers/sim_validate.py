@@ -13,6 +13,17 @@ each rank's compute is slower by the measured factor ``cluster.compute_slowdown(
 N > C), gloo's measured point-to-point / all-to-all / all-gather bandwidth and latency per group
 size replace NVLink/IB numbers, and the measured overlap factor says how much of the ring family's
 communication really hides under compute when the cores are shared.
+
+The formula composes those single measurements; what only a real group shows (one big Ulysses
+kernel over fewer heads, LightSeq's helper traffic, gloo's progress while the cores are shared) it
+can miss. ``group_scales=True`` (``--group-scales``) therefore first times each method's real step
+on N ranks at **other, shorter lengths** (T/8, T/4, T/2) and fits two factors per (method, N)
+there, one on the model's attention part and one on the rest (:func:`.calibrate.fit_group_scale`,
+as ``seqpar calibrate`` does for the scheduler); the validated length T itself is never timed
+before its prediction is made (held out). Rows keep the formula's own prediction and error too
+(``formula_ms``, ``formula_error``). Measured on a shared 2-core machine, the correction did not
+reduce the error reliably (benchmarks/results/README.md): two identical runs' measured step times
+differ by 18% (median) and up to 46%, as much as the model's error.
 """
 
 from __future__ import annotations
@@ -91,7 +102,8 @@ def cpu_sample() -> tuple[float, float]:
 def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, heads: int = 8,
              kv_heads: int | None = None, head_dim: int = 32, methods: Sequence[str] | None = None,
              calibration: tuple[ClusterSpec, CostModel] | None = None, calibration_out: str | None = None,
-             repeats: int = 3, warmup: int = 1, progress: bool = True, track_load: bool = True) -> list[dict]:
+             repeats: int = 3, warmup: int = 1, progress: bool = True, track_load: bool = True,
+             group_scales: bool = False) -> list[dict]:
     """Measured vs predicted step time per (method, N); calibrates first unless ``calibration`` is given.
 
     Row keys: method, world_size, seq_len, measured_ms, predicted_ms, rel_error, measured_bytes,
@@ -103,7 +115,10 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
     busy time minus our ranks' own); the row then also gets ``tracked_ms`` / ``tracked_error``: the
     same model with ``cores`` = the cores left free (``free_cores``) and core sharing
     ``max(1, N / free_cores)`` instead of the calibrated table. Nothing of the method's own timing
-    enters either prediction.
+    at length T enters any prediction.
+
+    ``group_scales``: first time every method on N ranks at T/8, T/4 and T/2 (held-out lengths) and
+    fit the model's two factors per (method, N) there (see the module docstring).
     """
     import seqpar
 
@@ -119,7 +134,7 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
         lens = sorted({max(64, seq_len // 8), max(128, seq_len // 4), max(256, seq_len // 2), seq_len})
         cluster, cost = calibrate(nproc=max(sizes), methods=methods, seq_lens=lens, heads=heads, kv_heads=kv_heads,
                                   head_dim=head_dim, layers=1, repeats=3, out=calibration_out, progress=progress,
-                                  share_compute=True)
+                                  share_compute=True, groups=False)  # scaled per N below instead
     else:
         cluster, cost = calibration
     shape = (heads, kv_heads, head_dim)
@@ -129,6 +144,9 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
         cost = rescale_cost_model(cost, heads, kv_heads, head_dim, 1)
     from seqpar.testing import run_distributed
 
+    formula = cost.without_group_scales()
+    if group_scales:
+        cost = formula.with_group_scales(held_out_scales(cluster, formula, methods, sizes, seq_len, shape, repeats))
     cases = [(n, m) for n in sizes for m in methods]
     rows = []
     for n, m in _track(cases, progress):
@@ -138,8 +156,12 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
             res = run_distributed(measure_step, n, m, seq_len, shape, repeats, warmup, timeout=1800)[0]
             pred = cost.time(m, n, [seq_len], cl)
             t1 = cost.time(m, 1, [seq_len], cluster.with_world_size(1))
+            raw = formula.time(m, n, [seq_len], cl)
             row.update(measured_ms=res["step_s"] * 1e3, predicted_ms=pred * 1e3,
-                       rel_error=(pred - res["step_s"]) / res["step_s"], measured_bytes=res["bytes"],
+                       rel_error=(pred - res["step_s"]) / res["step_s"], formula_ms=raw * 1e3,
+                       formula_error=(raw - res["step_s"]) / res["step_s"],
+                       group_scale=list(cost.coeffs(m).scale(n)),
+                       measured_bytes=res["bytes"],
                        predicted_bytes=cost.comm_bytes(m, n, seq_len, cl), predicted_efficiency=t1 / (n * pred),
                        measured_efficiency=t1 / (n * res["step_s"]), repeats_ms=[t * 1e3 for t in res["steps_s"]])
             if track_load and cl.cores:
@@ -154,6 +176,25 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         rows.append(row)
     return rows
+
+
+def held_out_scales(cluster: ClusterSpec, cost: CostModel, methods: Sequence[str], sizes: Sequence[int],
+                    seq_len: int, shape: tuple[int, int, int], repeats: int) -> dict:
+    """``{method: {N: (k_attn, k_rest)}}`` fitted to every method's real step on N ranks (a pool of N,
+    the setting of the validation) for one sequence of T/8, T/4 and T/2 tokens, never T itself."""
+    from seqpar.testing import run_distributed
+
+    from .calibrate import measure_group_scales
+
+    scales: dict = {}
+    for n in sizes:
+        lens = sorted({max(2 * n, seq_len // k // (2 * n) * (2 * n)) for k in (8, 4, 2)})
+        run = (lambda n: lambda fn, *args: run_distributed(fn, n, *args, timeout=1800)[0])(n)
+        got, _ = measure_group_scales(run, cluster.with_world_size(n), cost, methods,
+                                      [(n, [s]) for s in lens], shape, repeats)
+        for m, by in got.items():
+            scales.setdefault(m, {}).update(by)
+    return scales
 
 
 def _track(items, enabled):
@@ -171,7 +212,7 @@ def summary(rows: list[dict]) -> dict:
     """Max and median |relative error| over the rows that ran (and of the load-tracked prediction)."""
     ok = [r for r in rows if not r["error"]]
     out = {"rows": len(ok), "failed": len(rows) - len(ok)}
-    for key, name in (("rel_error", ""), ("tracked_error", "tracked_")):
+    for key, name in (("rel_error", ""), ("tracked_error", "tracked_"), ("formula_error", "formula_")):
         errs = [abs(r[key]) for r in ok if key in r]
         if errs:
             out[f"{name}max_abs_error"] = max(errs)
@@ -186,7 +227,8 @@ def print_validation(rows: list[dict], title: str) -> None:
     """Per row measured vs predicted (rich table), then the max / median error."""
     s = summary(rows)
     tracked = any("tracked_ms" in r for r in rows)
-    cols = ["method", "N", "meas ms", "pred ms", "error", "MB/rank meas/pred", "eff meas", "eff pred"]
+    cols = ["method", "N", "meas ms", "pred ms", "error", "k attn/rest", "formula err", "MB/rank meas/pred", "eff meas",
+            "eff pred"]
     cols += ["tracked ms", "tracked err", "free cores", "slowdown cal/now"] if tracked else []
     lines = []
     for r in rows:
@@ -194,7 +236,8 @@ def print_validation(rows: list[dict], title: str) -> None:
             lines.append([r["method"], str(r["world_size"]), "failed", "", r["error"][:60]] + [""] * (len(cols) - 5))
             continue
         line = [r["method"], str(r["world_size"]), f"{r['measured_ms']:.0f}", f"{r['predicted_ms']:.0f}",
-                f"{r['rel_error']:+.1%}", f"{r['measured_bytes'] / 1e6:.1f} / {r['predicted_bytes'] / 1e6:.1f}",
+                f"{r['rel_error']:+.1%}", "{:.2f}/{:.2f}".format(*r["group_scale"]), f"{r['formula_error']:+.1%}",
+                f"{r['measured_bytes'] / 1e6:.1f} / {r['predicted_bytes'] / 1e6:.1f}",
                 f"{r['measured_efficiency']:.2f}", f"{r['predicted_efficiency']:.2f}"]
         if tracked:
             line += [f"{r['tracked_ms']:.0f}", f"{r['tracked_error']:+.1%}", f"{r['free_cores']:.2f}",
@@ -202,6 +245,9 @@ def print_validation(rows: list[dict], title: str) -> None:
         lines.append(line)
     foot = (f"{s['rows']} rows: max |error| {s['max_abs_error']:.1%}, median |error| {s['median_abs_error']:.1%}, "
             f"{s.get('within_20pct', 0)} within 20%" + (f"; {s['failed']} failed" if s["failed"] else ""))
+    if "formula_max_abs_error" in s:
+        foot += (f"\nformula alone (no group scale): max |error| {s['formula_max_abs_error']:.1%}, median "
+                 f"{s['formula_median_abs_error']:.1%}, {s['formula_within_20pct']} within 20%")
     if tracked:
         foot += (f"\nload-tracked: max |error| {s['tracked_max_abs_error']:.1%}, median "
                  f"{s['tracked_median_abs_error']:.1%}, {s['tracked_within_20pct']} within 20%")
@@ -266,7 +312,8 @@ def validate_main(args) -> int:
         calibration = load_calibration(args.calibration)
     rows = validate(world_sizes=sizes, seq_len=seq_len, heads=heads, kv_heads=args.kv_heads, head_dim=hd,
                     methods=methods, calibration=calibration, calibration_out=args.calibration_out,
-                    repeats=args.repeats, progress=not args.no_progress, track_load=not args.no_track_load)
+                    repeats=args.repeats, progress=not args.no_progress, track_load=not args.no_track_load,
+                    group_scales=args.group_scales)
     title = (f"seqpar simulate --validate: CPU gloo, T={seq_len}, H={heads}, Hkv={args.kv_heads or heads}, D={hd}, "
              f"causal fp32, step = slowest rank fwd+bwd, median of {args.repeats}")
     print_validation(rows, title)

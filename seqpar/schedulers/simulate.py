@@ -49,7 +49,7 @@ def rescale_cost_model(cost: CostModel, heads: int, kv_heads: int, head_dim: int
                                 m_token=c.m_token * f, m_token_full=c.m_token_full * f))
                     for n, c in cost.methods)
     return CostModel(methods=methods, hidden=h, kv_hidden=kv_heads * head_dim, layers=layers, n_heads=heads,
-                     bytes_per_element=cost.bytes_per_element)
+                     bytes_per_element=cost.bytes_per_element, grad_bytes_per_element=cost.grad_bytes_per_element)
 
 
 def simulate(seq_len: int, cluster: ClusterSpec, cost: CostModel, *,
@@ -222,6 +222,9 @@ def _parser() -> argparse.ArgumentParser:
                    "the calibration it measures first")
     p.add_argument("--no-track-load", action="store_true", help="--validate: skip the per-case probe of the "
                    "machine's current speed (see seqpar.schedulers.sim_validate)")
+    p.add_argument("--group-scales", action="store_true", help="--validate: first time each method on N ranks at "
+                   "T/8, T/4 and T/2 and correct the formula by a fit there (see seqpar.schedulers.sim_validate); "
+                   "the rows keep the formula's error too")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -256,7 +259,8 @@ def _run(args) -> int:
         hd = args.head_dim or cost.hidden // cost.n_heads
         kv = args.kv_heads or (cost.kv_hidden // (cost.hidden // cost.n_heads) if not args.heads else heads)
         cost = rescale_cost_model(cost, heads, kv, hd, args.layers or cost.layers)
-        if args.profile:
+        if args.profile:  # another machine: the factors measured on the calibrated one do not apply
+            cost = cost.without_group_scales()
             prof = get_profile(args.profile)
             cluster = replace(prof.cluster(cluster.world_size), cores=cluster.cores,
                               compute_slowdown_by_ranks=cluster.compute_slowdown_by_ranks)
