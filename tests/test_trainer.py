@@ -152,6 +152,46 @@ def test_adaptive_mixed_groups_match_single_rank_parameters(tmp_path):
         torch.testing.assert_close(p2[k], p1[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
+def _calibration_file(tmp_path, methods):
+    from seqpar.schedulers.calibrate import build_models, save_calibration
+    from test_calibrate import _synthetic_measurements
+
+    cluster, cost = build_models(_synthetic_measurements(world=4), methods)
+    path = tmp_path / "cal.json"
+    save_calibration(path, cluster, cost.with_group_scales({m: {1: (1.0, 1.0), 2: (0.8, 1.2)} for m in methods}), command="test")
+    return path
+
+
+def test_adaptive_plans_with_a_calibration_file(tmp_path):
+    """--calibration: the scheduler plans with the file's methods (here only ring) and machine, moved to
+    the model's shape; the step is still the single-rank one."""
+    if feature_missing("adaptive"):
+        pytest.skip(feature_missing("adaptive"))
+    from seqpar.integrations.trainer_config import adaptive_models, parse_args
+
+    cal = _calibration_file(tmp_path, ["ring", "ulysses"])
+    cfg = parse_args(_args(tmp_path, "--adaptive", "--calibration", cal))  # writes model.json
+    cluster, cost = adaptive_models(cfg, 4, load_model_config(cfg.model_config))
+    assert cluster.world_size == 4 and cost.method_names == ("ring",)  # ulysses is not an --adaptive method
+    assert (cost.n_heads, cost.hidden, cost.kv_hidden, cost.layers) == (4, 64, 32, 2)
+    assert cost.coeffs("ring").group_scale == ((1, 1.0, 1.0), (2, 0.8, 1.2))
+    one = train(_args(tmp_path, "--batch-size", 8, steps=1))
+    adaptive = train(_args(tmp_path, "--nproc", 4, "--adaptive", "--batch-size", 8, "--calibration", cal, steps=1))
+    _close(adaptive.losses, one.losses, [1])
+    assert all(g[2] == "ring" for r in adaptive.history for g in r["groups"] if g[1] > 1)
+
+
+def test_calibration_needs_adaptive_and_a_usable_file(tmp_path):
+    with pytest.raises(ValueError, match="--calibration: only the adaptive scheduler"):
+        train(_args(tmp_path, "--calibration", tmp_path / "none.json", steps=1))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="calibration file .*bad.json.*not valid JSON"):
+        train(_args(tmp_path, "--nproc", 2, "--adaptive", "--calibration", tmp_path / "bad.json", steps=1))
+    with pytest.raises(ValueError, match="none of the methods --adaptive runs"):
+        train(_args(tmp_path, "--nproc", 2, "--adaptive", "--calibration", _calibration_file(tmp_path, ["ulysses"]),
+                    steps=1))
+
+
 def test_layer_checkpointing_bf16_plot(tmp_path):
     result = train(_args(tmp_path, "--checkpointing", "layer", "--dtype", "bfloat16", "--plot", tmp_path / "loss.png",
                          steps=2))

@@ -283,7 +283,10 @@ def _rank_main(cfg: TrainConfig, packed: tuple[bool, str]) -> TrainResult | None
     if cfg.adaptive:
         from .trainer_adaptive import AdaptiveRunner
 
-        runner = AdaptiveRunner(model, rt.world, rt.rank)
+        from .trainer_config import adaptive_models
+
+        cluster, cost = adaptive_models(cfg, rt.world, model.config)
+        runner = AdaptiveRunner(model, rt.world, rt.rank, cost_model=cost, cluster=cluster)
     else:
         apply_context_parallel(model, group=rt.cp_group, method=cfg.cp_method)
     mode = "adaptive" if cfg.adaptive else f"cp={cfg.context_parallel} ({cfg.cp_method}) x dp={rt.dp}"

@@ -41,12 +41,14 @@ class AdaptiveRunner:
         world, rank: this process's world size and rank (torch.distributed must be initialised).
         time_limit: seconds ``plan_batch`` may spend per step.
         cost_model: the scheduler's :class:`~seqpar.schedulers.CostModel` (default: its GPU default).
+        cluster: the :class:`~seqpar.schedulers.ClusterSpec` planned for (default: ``world`` ranks on one
+            node with the GPU defaults); ``--calibration`` passes the measured one.
 
     Construction is collective (it builds the :class:`GroupCache`): every rank constructs it at the
     same point.
     """
 
-    def __init__(self, model, world: int, rank: int, time_limit: float = 0.1, cost_model=None):
+    def __init__(self, model, world: int, rank: int, time_limit: float = 0.1, cost_model=None, cluster=None):
         import seqpar
         from seqpar.schedulers import SOFTMAX_METHODS, ClusterSpec, GroupCache
 
@@ -54,8 +56,11 @@ class AdaptiveRunner:
             raise ValueError("--adaptive: needs a process group (run with --nproc N >= 2 or under torchrun)")
         self.model, self.world, self.rank, self.time_limit = model, world, rank, time_limit
         self.cost_model = cost_model
-        self.cluster = ClusterSpec(world_size=world, ranks_per_node=world)
-        self.methods = [m for m in RING_FAMILY if m in SOFTMAX_METHODS and m in seqpar.METHODS]
+        self.cluster = cluster if cluster is not None else ClusterSpec(world_size=world, ranks_per_node=world)
+        if self.cluster.world_size != world:
+            raise ValueError(f"cluster: plans for {self.cluster.world_size} ranks but the world has {world}")
+        self.methods = [m for m in RING_FAMILY if m in SOFTMAX_METHODS and m in seqpar.METHODS
+                        and (cost_model is None or m in cost_model.method_names)]
         self.groups = GroupCache()  # every aligned block, built once; collective over the world
         self.implementations: dict[tuple[int, int, str], str] = {}
 

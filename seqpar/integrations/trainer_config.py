@@ -38,6 +38,7 @@ class TrainConfig:
     context_parallel: int = 1
     cp_method: str = "zigzag_ring"
     adaptive: bool = False
+    calibration: str | None = None
     checkpointing: str = "none"
     dtype: str = "float32"
     steps: int = 50
@@ -88,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cp-method", default="zigzag_ring", choices=METHODS)
     a("--adaptive", action="store_true", help="plan context-parallel groups and methods per batch with "
       "the adaptive scheduler (seqpar.schedulers) instead of a fixed --context-parallel")
+    a("--calibration", metavar="JSON", help="with --adaptive: plan with this 'seqpar calibrate' file's measured "
+      "cost model and machine (default: the scheduler's GPU defaults, world = these ranks)")
     a("--checkpointing", default="none", choices=CHECKPOINTING, help="activation checkpointing: per decoder "
       "layer, or 'attention' (seqpar's rematerialisation-aware mode)")
     a("--dtype", default="float32", choices=DTYPES, help="compute dtype (autocast; master weights stay fp32)")
@@ -117,7 +120,7 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     return TrainConfig(
         model_config=ns.model_config, data=ns.data, data_glob=ns.data_glob, seq_len=ns.seq_len,
         batch_size=ns.batch_size, context_parallel=ns.context_parallel, cp_method=ns.cp_method,
-        adaptive=ns.adaptive, checkpointing=ns.checkpointing, dtype=ns.dtype, steps=ns.steps, lr=ns.lr,
+        adaptive=ns.adaptive, calibration=ns.calibration, checkpointing=ns.checkpointing, dtype=ns.dtype, steps=ns.steps, lr=ns.lr,
         warmup=ns.warmup, weight_decay=ns.weight_decay, grad_clip=ns.grad_clip, seed=ns.seed, save=ns.save,
         save_every=ns.save_every, resume=ns.resume, nproc=ns.nproc, threads=ns.threads, plot=ns.plot,
         json=ns.json, log_every=ns.log_every, progress=not ns.no_progress, timeout=ns.timeout,
@@ -205,6 +208,34 @@ def feature_missing(feature: str) -> str | None:
     raise ValueError(feature)
 
 
+def adaptive_models(cfg: TrainConfig, world: int, model_config):
+    """(ClusterSpec, CostModel) for ``--adaptive`` (``(None, None)``: the scheduler's defaults).
+
+    With ``--calibration``: the file's measured machine at this run's world size and its cost model
+    moved to the model's attention shape (``rescale_cost_model``: heads, KV heads, head dim, layers),
+    keeping the methods the adaptive trainer can use. ValueError naming the file when it is unusable.
+    """
+    if cfg.calibration is None:
+        return None, None
+    from seqpar.schedulers.calibrate import load_calibration
+    from seqpar.schedulers.simulate import rescale_cost_model
+
+    from .trainer_adaptive import RING_FAMILY
+
+    cluster, cost = load_calibration(cfg.calibration)
+    usable = [m for m in cost.method_names if m in RING_FAMILY]
+    if not usable:
+        raise ValueError(f"--calibration {cfg.calibration}: calibrates {', '.join(cost.method_names)}, none of the "
+                         f"methods --adaptive runs ({', '.join(RING_FAMILY)}); calibrate with --methods "
+                         f"{','.join(RING_FAMILY)}")
+    c = model_config
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    cost = rescale_cost_model(cost.with_methods(usable), heads, kv, head_dim, c.num_hidden_layers)
+    return cluster.with_world_size(world), cost
+
+
 def validate(cfg: TrainConfig, world: int, packed: bool = False) -> TextFiles:
     """Every check that needs no process group; raises ValueError naming the flag. Returns the data index.
 
@@ -247,6 +278,11 @@ def validate(cfg: TrainConfig, world: int, packed: bool = False) -> TextFiles:
         raise ValueError(why)
     if cfg.adaptive and (why := feature_missing("adaptive")):
         raise ValueError(why)
+    if cfg.calibration is not None:
+        if not cfg.adaptive:
+            raise ValueError("--calibration: only the adaptive scheduler plans with a cost model; add --adaptive "
+                             "(or drop --calibration)")
+        adaptive_models(cfg, world, load_model_config(cfg.model_config))  # a bad file fails here, once
     if cfg.crash_at_step is not None and not cfg.crash_at_step >= 1:
         raise ValueError("--crash-at-step: expected a step >= 1")
     files = TextFiles.scan(cfg.data_dir, cfg.glob)
