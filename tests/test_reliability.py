@@ -65,6 +65,53 @@ def test_survivors_raise_peer_error_naming_the_dead_rank(method="zigzag_ring"):
     assert elapsed < 60, f"the survivors took {elapsed:.0f} s to give up"
 
 
+def _linear_then_die(method, dead):
+    """The same for linear attention: forward and backward (a chain 0 -> 1 -> 2, then back)."""
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 8, generator=gen) for _ in range(3))
+    g = -torch.rand(1, 8, 2, generator=gen)
+
+    def step():
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        o, _ = seqpar.linear_attention(qq, kk, vv, g, method=method)
+        o.sum().backward()
+
+    step()
+    if dist.get_rank() == dead:
+        os._exit(1)
+    start = time.monotonic()
+    try:
+        step()
+    except seqpar.PeerError as exc:
+        raise seqpar.PeerError(f"[after {time.monotonic() - start:.1f} s] {exc}", peers=exc.peers) from None
+    return "no error"
+
+
+@pytest.mark.parametrize("method", ["zeco", "lasp2"])
+def test_linear_attention_survivors_raise_peer_error(method):
+    """ZeCO's All-Scan chain (point to point) names the dead neighbour; LASP-2's all-gather names the
+    other members (a collective cannot tell which one failed). Rank 1 dies: it is both survivors'
+    neighbour on the chain."""
+    pool = WorkerPool(3, failure_grace=3 * PG_TIMEOUT, pg_timeout=PG_TIMEOUT)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RankError) as info:
+            pool.run(_linear_then_die, (method, 1), timeout=90)
+        elapsed = time.monotonic() - start
+    finally:
+        pool.close(kill=True)
+    errors = info.value.per_rank_errors
+    assert errors[1][0] == "WorkerDied" and not info.value.stuck_ranks, errors
+    for rank in (0, 2):
+        kind, message, _ = errors[rank]
+        assert kind == "PeerError", f"rank {rank}: {kind}: {message}"
+        named = "with rank 1 failed" if method == "zeco" else "ranks ["
+        assert named in message and "1" in message.split("failed")[0], f"rank {rank}: {message}"
+    assert elapsed < 60, f"the survivors took {elapsed:.0f} s to give up"
+
+
 SILENT_TIMEOUT = 2.0
 
 

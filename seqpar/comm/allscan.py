@@ -20,6 +20,10 @@ rank sends in a :class:`~seqpar.comm.stats.CommStats` when one is given):
   scan locally (LASP-2).
 - :func:`broadcast_from` (``"broadcast"``) and :func:`reduce_to` (``"reduce"``), for the final state and
   its gradient.
+
+A transfer that fails because a peer crashed, hung up or timed out raises
+:class:`~seqpar.comm.PeerError` naming it (the chain's neighbour; the other members for a
+collective), like the ring's P2P exchange.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from .collectives import _named_failure
 from .groups import GroupInfo
 from .stats import CommStats, nbytes
 
@@ -77,10 +82,11 @@ class ChainScan:
             self._stream = torch.cuda.Stream(device=self.local.device)
             self._stream.wait_stream(torch.cuda.current_stream(self.local.device))
         if not self.head:  # post every receive before any compute
-            for i, (a, b) in enumerate(self.blocks):
-                buf = self.local.new_empty(*self.local.shape[:2], b - a, self.local.shape[3])
-                self._bufs.append(buf)
-                self._recv.append(dist.irecv(buf, src=self.prev, group=self.info.group, tag=i))
+            with _named_failure(self.info, f"{self.name} receive", [self.prev]):
+                for i, (a, b) in enumerate(self.blocks):
+                    buf = self.local.new_empty(*self.local.shape[:2], b - a, self.local.shape[3])
+                    self._bufs.append(buf)
+                    self._recv.append(dist.irecv(buf, src=self.prev, group=self.info.group, tag=i))
         if self.info.single:
             self._run()
         else:
@@ -100,16 +106,19 @@ class ChainScan:
                         inc = (self.local.new_zeros(*self.local.shape[:2], b - a, self.local.shape[3])
                                if self.first is None else self.first[:, :, a:b].to(self.local.dtype))
                     else:
-                        self._recv[i].wait()
+                        with _named_failure(self.info, f"{self.name} receive", [self.prev]):
+                            self._recv[i].wait()
                         inc = self._bufs[i]
                     out = torch.addcmul(self.local[:, :, a:b], self.decay[:, :, a:b, None], inc).contiguous()
                     self._inc[i], self._out[i] = inc, out
                     if not self.tail:
-                        sends.append(dist.isend(out, dst=self.next, group=self.info.group, tag=i))
+                        with _named_failure(self.info, f"{self.name} send", [self.next]):
+                            sends.append(dist.isend(out, dst=self.next, group=self.info.group, tag=i))
                         if self.stats is not None:
                             self.stats.add(self.name, nbytes(out), peer=self.next)
-                for w in sends:
-                    w.wait()
+                with _named_failure(self.info, f"{self.name} send", [self.next]):
+                    for w in sends:
+                        w.wait()
         except BaseException as exc:  # re-raised in the calling thread by wait()
             self._error = exc
 
@@ -129,12 +138,13 @@ class ChainScan:
 class Gathered:
     """An all-gather in flight; :meth:`wait` returns ``[N, *x.shape]`` in group order."""
 
-    def __init__(self, out: torch.Tensor, work) -> None:
-        self.out, self.work = out, work
+    def __init__(self, out: torch.Tensor, work, info: GroupInfo | None = None, name: str = "all_gather") -> None:
+        self.out, self.work, self.info, self.name = out, work, info, name
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            with _named_failure(self.info, self.name):
+                self.work.wait()
             self.work = None
         return self.out
 
@@ -151,10 +161,11 @@ def allgather_start(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | None
         return Gathered(out, None)
     flat = out.view(info.size * x.shape[0], *x.shape[1:]) if x.dim() else out
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    work = gather(flat, x, group=info.group, async_op=True)
+    with _named_failure(info, name):
+        work = gather(flat, x, group=info.group, async_op=True)
     if stats is not None:
         stats.add(name, (info.size - 1) * nbytes(x), peer=info.peer(1))
-    return Gathered(out, work)
+    return Gathered(out, work, info, name)
 
 
 def fold_forward(locals_: torch.Tensor, decays: torch.Tensor, first: torch.Tensor | None, upto: int):
@@ -180,7 +191,8 @@ def broadcast_from(info: GroupInfo, x: torch.Tensor | None, src: int, like: torc
     if info.single:
         return x
     buf = x.contiguous() if info.rank == src else torch.empty_like(like)
-    dist.broadcast(buf, src=info.global_ranks[src], group=info.group)
+    with _named_failure(info, name):
+        dist.broadcast(buf, src=info.global_ranks[src], group=info.group)
     if stats is not None and info.rank == src:
         for i, peer in enumerate(info.global_ranks):
             if i != src:
@@ -196,7 +208,8 @@ def reduce_to(info: GroupInfo, x: torch.Tensor, dst: int, *, stats: CommStats | 
     x = x.detach().clone(memory_format=torch.contiguous_format)
     if info.single:
         return x, None
-    work = dist.reduce(x, dst=info.global_ranks[dst], group=info.group, async_op=async_op)
+    with _named_failure(info, name):
+        work = dist.reduce(x, dst=info.global_ranks[dst], group=info.group, async_op=async_op)
     if stats is not None and info.rank != dst:
         stats.add(name, nbytes(x), peer=info.global_ranks[dst])
     return x, (work if async_op else None)

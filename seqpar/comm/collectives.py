@@ -22,15 +22,17 @@ from .stats import CommStats, nbytes
 
 
 @contextlib.contextmanager
-def _named_failure(info: GroupInfo, name: str):
-    """Turn a backend error of the collective ``name`` into a PeerError naming the other members."""
+def _named_failure(info: GroupInfo, name: str, peers=None):
+    """Turn a backend error of the operation ``name`` into a PeerError naming ``peers`` (global
+    ranks; default: the group's other members, as a collective cannot tell which one failed)."""
     try:
         yield
     except PeerError:
         raise
     except RuntimeError as exc:  # gloo and NCCL report a dead or silent member as RuntimeError
         me = info.global_ranks[info.rank]
-        raise peer_error(exc, info, [r for r in info.global_ranks if r != me], name) from exc
+        who = [r for r in info.global_ranks if r != me] if peers is None else peers
+        raise peer_error(exc, info, who, name) from exc
 
 
 def _all_gather_flat(out, flat, group):
