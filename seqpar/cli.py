@@ -19,7 +19,7 @@ def plan_main(argv: list[str]) -> int:
 
 
 def calibrate_main(argv: list[str]) -> int:
-    from seqpar.schedulers.calibrate import calibrate_main as run
+    from seqpar.schedulers.calibrate_cli import calibrate_main as run
 
     return run(argv)
 

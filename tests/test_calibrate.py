@@ -93,6 +93,27 @@ def test_group_scale_multiplies_the_two_parts_not_memory_and_round_trips(tmp_pat
             MethodCost(alpha1=1.0, alpha2=1.0, beta1=0.0, m_token=1.0, m_model=1.0, group_scale=bad)
 
 
+def test_kernel_scale_from_emulated_efficiency(tmp_path):
+    """An emulated efficiency e at size d (its schedule's imbalance i) gives the factor 1 / (e·i) on
+    the attention term only; it survives the JSON file and is dropped for other hardware."""
+    from seqpar.schedulers.schedule_terms import causal_imbalance
+
+    meas = _synthetic_measurements()
+    meas["kernels"] = {"zigzag_ring": {2: 0.8, 4: 0.5}, "ring": {4: 0.5}}
+    cluster, cost = build_models(meas, ["zigzag_ring", "ring"])
+    _, plain = build_models(_synthetic_measurements(), ["zigzag_ring", "ring"])
+    assert cost.coeffs("zigzag_ring").kernel_scale == ((2, 1.25), (4, 2.0))
+    assert cost.coeffs("ring").kernel(4) == pytest.approx(1 / (0.5 * causal_imbalance("ring", 4)))
+    assert cost.coeffs("ring").kernel(1) == 1.0  # one rank runs the single-rank kernel the fit measured
+    g, g0 = cost.group_coeffs("zigzag_ring", 4, cluster), plain.group_coeffs("zigzag_ring", 4, cluster)
+    assert g.quad == pytest.approx(2.0 * g0.quad) and (g.lin, g.const, g.overlap) == (g0.lin, g0.const, g0.overlap)
+    path = tmp_path / "k.json"
+    cost.save(path)
+    assert CostModel.load(path) == cost and cost.for_other_hardware() == plain
+    with pytest.raises(ValueError, match="kernel_scale"):
+        MethodCost(alpha1=1.0, alpha2=1.0, beta1=0.0, m_token=1.0, m_model=1.0, kernel_scale=[(2, -1.0)])
+
+
 def test_fit_group_scale_separates_attention_from_the_rest():
     from seqpar.schedulers.calibrate import fit_group_scale
 
@@ -203,6 +224,7 @@ def test_calibrate_quick_on_two_cpu_ranks(tmp_path):
         assert c.alpha1 + c.alpha2 > 0 and c.m_token > 0
         # the last phase timed real packed steps on groups of 1 and 2: a positive factor for each
         assert [e[0] for e in c.group_scale] == [1, 2] and all(min(e[1:]) > 0 for e in c.group_scale)
+        assert [d for d, _ in c.kernel_scale] == [2] and c.kernel_scale[0][1] > 0  # emulated on 2 "ranks"
     assert {(r["method"], r["group_size"]) for r in data["measurements"]["groups"]} == \
         {("zigzag_ring", 1), ("zigzag_ring", 2), ("ulysses", 2), ("ring", 2)}
     # the scheduler can plan with it (on this 2-rank CPU machine)

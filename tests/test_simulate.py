@@ -122,5 +122,7 @@ def test_validate_on_two_ranks_bytes_exact_and_rows_complete():
         ka, kr = r["group_scale"]
         assert min(ka, kr) > 0 and min(ka, kr) * r["formula_ms"] <= r["predicted_ms"] * (1 + 1e-9)
         assert r["predicted_ms"] <= max(ka, kr) * r["formula_ms"] * (1 + 1e-9)
+        # the speed probe rescales the formula by the machine's speed during this very case
+        assert r["probe_ratio"] > 0 and r["probe_ms"] == pytest.approx(r["formula_ms"] * r["probe_ratio"])
     s = summary(rows)
     assert s["rows"] == len(methods) and s["max_abs_error"] >= s["median_abs_error"]

@@ -318,3 +318,28 @@ def get_profile(name: str) -> BandwidthProfile:
         return PROFILES[name]
     except (KeyError, TypeError):
         raise ValueError(f"profile={name!r} is not known; choose from {', '.join(PROFILES)}") from None
+
+
+def _size_table(name: str, entries, width: int) -> tuple:
+    """Validate ``((group size, factor × width), ...)``; sorted by size, factors as floats."""
+    table = {}
+    for entry in entries:
+        try:
+            d, *ks = entry
+        except (TypeError, ValueError):
+            ks = None
+        if ks is None or len(ks) != width:
+            raise ValueError(f"{name}: expected (group size, {width} factor(s)) entries, got {entry!r}")
+        if not (isinstance(d, int) and not isinstance(d, bool) and is_power_of_two(d)) or not all(
+                isinstance(k, (int, float)) and not isinstance(k, bool) and 0 < k < math.inf for k in ks):
+            raise ValueError(f"{name}: entry {entry!r} needs a power-of-two group size and positive finite factors")
+        table[d] = tuple(float(k) for k in ks)
+    return tuple((d, *k) for d, k in sorted(table.items()))
+
+
+def _lookup(table: tuple, group_size: int, default: tuple) -> tuple:
+    """The factors of ``group_size`` in a :func:`_size_table`: that size, else the nearest below, else above."""
+    if not table:
+        return default
+    below = [k for d, *k in table if d <= group_size]
+    return tuple(below[-1] if below else table[0][1:])

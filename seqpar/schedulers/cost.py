@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .cluster import ClusterSpec, is_power_of_two
+from .cluster import ClusterSpec, _lookup, _size_table, is_power_of_two
 from .schedule_terms import _schedule_bytes, attention_factor
 
 SOFTMAX_METHODS = ("zigzag_ring", "ulysses", "usp", "token_ring", "lightseq", "allgather_kv",
@@ -86,6 +86,10 @@ class MethodCost:
         rest ``R = const + lin·S1`` (linear work, exposed communication, latencies). A size not in
         the table takes the nearest measured one below it (else above). Empty (the default): the
         formula alone. Tied to the machine it was measured on: projections elsewhere drop it.
+    kernel_scale: ``((d, factor), ...)``: the method's attention kernels on groups of d ranks take
+        ``factor`` times the work its schedule should (emulated on one device by ``seqpar calibrate``:
+        e.g. striped_ring's strided causal blocks run dense on the CPU path, ~1.5x). Multiplies the
+        attention term; looked up like ``group_scale``; dropped for other hardware.
     """
 
     alpha1: float
@@ -96,22 +100,13 @@ class MethodCost:
     m_token_full: float = 0.0
     comm_scale: float = 1.0
     group_scale: tuple[tuple[int, float, float], ...] = ()
+    kernel_scale: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        table = {}
-        for entry in self.group_scale:
-            try:
-                d, ka, kr = entry
-            except (TypeError, ValueError):
-                raise ValueError(f"group_scale: expected (group size, k_attn, k_rest) triples, got {entry!r}") from None
-            if not (isinstance(d, int) and not isinstance(d, bool) and is_power_of_two(d)) or not all(
-                    isinstance(k, (int, float)) and not isinstance(k, bool) and 0 < k < math.inf for k in (ka, kr)):
-                raise ValueError(f"group_scale: entry {entry!r} needs a power-of-two group size and two positive "
-                                 f"finite factors")
-            table[d] = (float(ka), float(kr))
-        object.__setattr__(self, "group_scale", tuple((d, *k) for d, k in sorted(table.items())))
+        object.__setattr__(self, "group_scale", _size_table("group_scale", self.group_scale, 2))
+        object.__setattr__(self, "kernel_scale", _size_table("kernel_scale", self.kernel_scale, 1))
         for f in fields(self):
-            if f.name == "group_scale":
+            if f.name in ("group_scale", "kernel_scale"):
                 continue
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
@@ -119,10 +114,11 @@ class MethodCost:
 
     def scale(self, group_size: int) -> tuple[float, float]:
         """``(k_attn, k_rest)`` of :attr:`group_scale` for ``group_size`` ((1, 1) when none was measured)."""
-        if not self.group_scale:
-            return 1.0, 1.0
-        below = [k for d, *k in self.group_scale if d <= group_size]
-        return tuple(below[-1] if below else self.group_scale[0][1:])
+        return _lookup(self.group_scale, group_size, (1.0, 1.0))
+
+    def kernel(self, group_size: int) -> float:
+        """The :attr:`kernel_scale` factor for ``group_size`` (1 on one rank or when none was measured)."""
+        return 1.0 if group_size == 1 else _lookup(self.kernel_scale, group_size, (1.0,))[0]
 
 
 @dataclass(frozen=True)
@@ -281,7 +277,8 @@ class CostModel:
         1 on GPUs) and the attention term by :func:`attention_factor` (imbalance and core sharing).
         Of the communication a method overlaps, the fraction ``cluster.overlap_factor`` hides under
         the attention compute and the rest adds up. A calibrated :attr:`MethodCost.group_scale`
-        multiplies ``quad`` and ``overlap`` by its k_attn and ``const`` and ``lin`` by its k_rest.
+        multiplies ``quad`` and ``overlap`` by its k_attn and ``const`` and ``lin`` by its k_rest;
+        :attr:`MethodCost.kernel_scale` multiplies ``quad``.
         Raises ValueError when the method cannot run at this size (see :meth:`supports`).
         """
         c = self.coeffs(method)
@@ -297,7 +294,8 @@ class CostModel:
         ka, kr = c.scale(d)
         return GroupCoeffs(const=kr * (slow * c.beta1 + s * const_comm),
                            lin=kr * (slow * c.alpha2 / d + s * (lin_comm + (1 - o) * overlap)),
-                           quad=ka * c.alpha1 * attention_factor(method, d, slow) / d, overlap=ka * s * o * overlap,
+                           quad=ka * c.kernel(d) * c.alpha1 * attention_factor(method, d, slow) / d,
+                           overlap=ka * s * o * overlap,
                            mem_const=c.m_model, mem_lin=c.m_token / d + (c.m_token_full if d > 1 else 0.0))
 
     def comm_parts(self, method: str, d: int, cluster: ClusterSpec) -> tuple[list[tuple], float]:
@@ -423,9 +421,9 @@ class CostModel:
             unknown = sorted(set(raw) - {f.name for f in fields(MethodCost)})
             if missing or unknown:
                 raise ValueError(f"{source}: method {name!r}: missing {missing} / unknown {unknown} coefficients")
-            if isinstance(raw.get("group_scale"), list):
-                raw = dict(raw, group_scale=tuple(tuple(e) if isinstance(e, list) else e
-                                                  for e in raw["group_scale"]))
+            for table in ("group_scale", "kernel_scale"):
+                if isinstance(raw.get(table), list):
+                    raw = dict(raw, **{table: tuple(tuple(e) if isinstance(e, list) else e for e in raw[table])})
             try:
                 methods.append((name, MethodCost(**raw)))
             except (TypeError, ValueError) as exc:
@@ -459,6 +457,15 @@ class CostModel:
         def scaled(n, c):
             return replace(c, group_scale=tuple((d, *k) for d, k in scales[n].items())) if n in scales else c
         return replace(self, methods=tuple((n, scaled(n, c)) for n, c in self.methods))
+
+    def with_kernel_scales(self, scales: dict) -> "CostModel":
+        """A copy whose methods get ``scales[method] = {group size: factor}`` (``kernel_scale``)."""
+        return replace(self, methods=tuple((n, replace(c, kernel_scale=tuple(scales[n].items())) if n in scales else c)
+                                           for n, c in self.methods))
+
+    def for_other_hardware(self) -> "CostModel":
+        """A copy without the factors measured on the calibrated machine (group and kernel scales)."""
+        return self.without_group_scales().with_kernel_scales({n: {} for n in self.method_names})
 
     def without_group_scales(self) -> "CostModel":
         """A copy with no measured group factors (for projecting to hardware other than the calibrated)."""

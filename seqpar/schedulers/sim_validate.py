@@ -41,16 +41,25 @@ from .cost import CostModel
 _TWO_WAY = ("token_ring", "lightseq")  # their two traffic directions get their own communicators
 
 
-def measure_step(method: str, seq_len: int, shape: tuple[int, int, int], repeats: int, warmup: int) -> dict:
+def measure_step(method: str, seq_len: int, shape: tuple[int, int, int], repeats: int, warmup: int,
+                 probe_len: int | None = None) -> dict:
     """On every rank of the default group: time causal fwd+bwd of ``method``; returns the median
-    slowest-rank step (seconds), every repeat, and the bytes the busiest rank sent in one step."""
+    slowest-rank step (seconds), every repeat, and the bytes the busiest rank sent in one step.
+
+    ``probe_len``: before every timed repeat, every rank also times a single-rank causal fwd+bwd of
+    ``probe_len`` tokens on its own (no communication, all ranks at once); ``probe_s`` is the median
+    of the slowest rank's probe: the machine's speed at the moment of this case."""
     import torch
     import torch.distributed as dist
 
     import seqpar
 
+    from .measure import _attention_seconds, _solo_group
+
     torch.set_num_threads(1)
     group = dist.group.WORLD
+    solo = _solo_group() if probe_len else None
+    probes = []
     h, hk, d = shape
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(1, seq_len, n, d, generator=gen) for n in (h, hk, hk, h)]
@@ -58,6 +67,12 @@ def measure_step(method: str, seq_len: int, shape: tuple[int, int, int], repeats
     comm = seqpar.TokenRingGroups(group) if method in _TWO_WAY else None
     stats, steps = seqpar.CommStats(), []
     for i in range(warmup + repeats):
+        if probe_len and i >= warmup:
+            dist.barrier()
+            p = torch.tensor([_attention_seconds(method, probe_len, shape, solo, torch.device("cpu"), 1, warmup=0)],
+                             dtype=torch.float64)
+            dist.all_reduce(p, op=dist.ReduceOp.MAX)
+            probes.append(float(p))
         qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
         dist.barrier()
         if i == warmup:
@@ -80,7 +95,8 @@ def measure_step(method: str, seq_len: int, shape: tuple[int, int, int], repeats
     busiest = torch.tensor([stats.total()], dtype=torch.float64)
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     outside = max(0.0, (busy1 - busy0) - float(own)) / wall  # cores other processes kept busy
-    return {"step_s": statistics.median(steps), "steps_s": steps, "bytes": int(busiest), "outside_cores": outside}
+    return {"step_s": statistics.median(steps), "steps_s": steps, "bytes": int(busiest), "outside_cores": outside,
+            "probe_s": statistics.median(probes) if probes else None}
 
 
 def cpu_sample() -> tuple[float, float]:
@@ -103,7 +119,7 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
              kv_heads: int | None = None, head_dim: int = 32, methods: Sequence[str] | None = None,
              calibration: tuple[ClusterSpec, CostModel] | None = None, calibration_out: str | None = None,
              repeats: int = 3, warmup: int = 1, progress: bool = True, track_load: bool = True,
-             group_scales: bool = False) -> list[dict]:
+             group_scales: bool = False, probe: bool = True) -> list[dict]:
     """Measured vs predicted step time per (method, N); calibrates first unless ``calibration`` is given.
 
     Row keys: method, world_size, seq_len, measured_ms, predicted_ms, rel_error, measured_bytes,
@@ -119,6 +135,12 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
 
     ``group_scales``: first time every method on N ranks at T/8, T/4 and T/2 (held-out lengths) and
     fit the model's two factors per (method, N) there (see the module docstring).
+
+    ``probe``: the speed of a shared machine also drifts within seconds (two identical runs here
+    differ by 18% median per row, consistently over a row's repeats). Before each timed repeat
+    every rank times a single-rank kernel of T/4 tokens alone (:func:`measure_step`), and the row
+    gets ``probe_ms`` / ``probe_error``: the formula's prediction times (probe measured / probe
+    modelled). The probe is the same kernel for every method and carries no communication.
     """
     import seqpar
 
@@ -145,6 +167,7 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
     from seqpar.testing import run_distributed
 
     formula = cost.without_group_scales()
+    probe_len = max(64, seq_len // 4)
     if group_scales:
         cost = formula.with_group_scales(held_out_scales(cluster, formula, methods, sizes, seq_len, shape, repeats))
     cases = [(n, m) for n in sizes for m in methods]
@@ -153,7 +176,8 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
         row = {"method": m, "world_size": n, "seq_len": seq_len, "error": ""}
         cl = cluster.with_world_size(n)
         try:
-            res = run_distributed(measure_step, n, m, seq_len, shape, repeats, warmup, timeout=1800)[0]
+            res = run_distributed(measure_step, n, m, seq_len, shape, repeats, warmup, probe_len if probe else None,
+                                  timeout=1800)[0]
             pred = cost.time(m, n, [seq_len], cl)
             t1 = cost.time(m, 1, [seq_len], cluster.with_world_size(1))
             raw = formula.time(m, n, [seq_len], cl)
@@ -164,6 +188,12 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
                        measured_bytes=res["bytes"],
                        predicted_bytes=cost.comm_bytes(m, n, seq_len, cl), predicted_efficiency=t1 / (n * pred),
                        measured_efficiency=t1 / (n * res["step_s"]), repeats_ms=[t * 1e3 for t in res["steps_s"]])
+            if res["probe_s"]:
+                # the machine's speed now against the calibration's: the probe's measured time over
+                # what the same model says for it (single-rank kernel, n ranks busy at once)
+                ratio = res["probe_s"] / formula.time(m, 1, [probe_len], cl)
+                row.update(probe_ratio=ratio, probe_ms=raw * ratio * 1e3,
+                           probe_error=(raw * ratio - res["step_s"]) / res["step_s"])
             if track_load and cl.cores:
                 # the cores outside processes left us during this very run (measured from /proc/stat)
                 free = max(0.25, cl.cores - res["outside_cores"])
@@ -212,7 +242,8 @@ def summary(rows: list[dict]) -> dict:
     """Max and median |relative error| over the rows that ran (and of the load-tracked prediction)."""
     ok = [r for r in rows if not r["error"]]
     out = {"rows": len(ok), "failed": len(rows) - len(ok)}
-    for key, name in (("rel_error", ""), ("tracked_error", "tracked_"), ("formula_error", "formula_")):
+    for key, name in (("rel_error", ""), ("tracked_error", "tracked_"), ("formula_error", "formula_"),
+                      ("probe_error", "probe_")):
         errs = [abs(r[key]) for r in ok if key in r]
         if errs:
             out[f"{name}max_abs_error"] = max(errs)
@@ -227,8 +258,8 @@ def print_validation(rows: list[dict], title: str) -> None:
     """Per row measured vs predicted (rich table), then the max / median error."""
     s = summary(rows)
     tracked = any("tracked_ms" in r for r in rows)
-    cols = ["method", "N", "meas ms", "pred ms", "error", "k attn/rest", "formula err", "MB/rank meas/pred", "eff meas",
-            "eff pred"]
+    cols = ["method", "N", "meas ms", "pred ms", "error", "k attn/rest", "formula err", "probe err",
+            "MB/rank meas/pred", "eff meas", "eff pred"]
     cols += ["tracked ms", "tracked err", "free cores", "slowdown cal/now"] if tracked else []
     lines = []
     for r in rows:
@@ -237,6 +268,7 @@ def print_validation(rows: list[dict], title: str) -> None:
             continue
         line = [r["method"], str(r["world_size"]), f"{r['measured_ms']:.0f}", f"{r['predicted_ms']:.0f}",
                 f"{r['rel_error']:+.1%}", "{:.2f}/{:.2f}".format(*r["group_scale"]), f"{r['formula_error']:+.1%}",
+                f"{r['probe_error']:+.1%}" if "probe_error" in r else "-",
                 f"{r['measured_bytes'] / 1e6:.1f} / {r['predicted_bytes'] / 1e6:.1f}",
                 f"{r['measured_efficiency']:.2f}", f"{r['predicted_efficiency']:.2f}"]
         if tracked:
@@ -248,6 +280,9 @@ def print_validation(rows: list[dict], title: str) -> None:
     if "formula_max_abs_error" in s:
         foot += (f"\nformula alone (no group scale): max |error| {s['formula_max_abs_error']:.1%}, median "
                  f"{s['formula_median_abs_error']:.1%}, {s['formula_within_20pct']} within 20%")
+    if "probe_max_abs_error" in s:
+        foot += (f"\nspeed-probed (formula x probe measured / modelled): max |error| {s['probe_max_abs_error']:.1%}, "
+                 f"median {s['probe_median_abs_error']:.1%}, {s['probe_within_20pct']} within 20%")
     if tracked:
         foot += (f"\nload-tracked: max |error| {s['tracked_max_abs_error']:.1%}, median "
                  f"{s['tracked_median_abs_error']:.1%}, {s['tracked_within_20pct']} within 20%")
@@ -313,7 +348,7 @@ def validate_main(args) -> int:
     rows = validate(world_sizes=sizes, seq_len=seq_len, heads=heads, kv_heads=args.kv_heads, head_dim=hd,
                     methods=methods, calibration=calibration, calibration_out=args.calibration_out,
                     repeats=args.repeats, progress=not args.no_progress, track_load=not args.no_track_load,
-                    group_scales=args.group_scales)
+                    group_scales=args.group_scales, probe=not args.no_probe)
     title = (f"seqpar simulate --validate: CPU gloo, T={seq_len}, H={heads}, Hkv={args.kv_heads or heads}, D={hd}, "
              f"causal fp32, step = slowest rank fwd+bwd, median of {args.repeats}")
     print_validation(rows, title)

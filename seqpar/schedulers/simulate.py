@@ -225,6 +225,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--group-scales", action="store_true", help="--validate: first time each method on N ranks at "
                    "T/8, T/4 and T/2 and correct the formula by a fit there (see seqpar.schedulers.sim_validate); "
                    "the rows keep the formula's error too")
+    p.add_argument("--no-probe", action="store_true", help="--validate: skip the per-case speed probe (a "
+                   "single-rank kernel timed before each repeat; see seqpar.schedulers.sim_validate)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -260,7 +262,7 @@ def _run(args) -> int:
         kv = args.kv_heads or (cost.kv_hidden // (cost.hidden // cost.n_heads) if not args.heads else heads)
         cost = rescale_cost_model(cost, heads, kv, hd, args.layers or cost.layers)
         if args.profile:  # another machine: the factors measured on the calibrated one do not apply
-            cost = cost.without_group_scales()
+            cost = cost.for_other_hardware()
             prof = get_profile(args.profile)
             cluster = replace(prof.cluster(cluster.world_size), cores=cluster.cores,
                               compute_slowdown_by_ranks=cluster.compute_slowdown_by_ranks)
