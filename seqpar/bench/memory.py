@@ -17,7 +17,32 @@ What is measured (:class:`PeakMemory`), relative to the live memory when the mea
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import torch
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence what C++ code writes to file descriptor 2 inside the block (the profiler logs a
+    'profiler_start' / 'profiler_stop' line per call, once per rank and row). Python exceptions
+    are unaffected; stderr is restored on exit."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real fd 2 (e.g. an embedded interpreter)
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 class PeakMemory:
@@ -39,7 +64,8 @@ class PeakMemory:
             from torch.profiler import ProfilerActivity, profile
 
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._prof.__enter__()
+            with _quiet_native_stderr():
+                self._prof.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -47,7 +73,8 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak = int(torch.cuda.max_memory_allocated(self.device) - self._start)
             return
-        self._prof.__exit__(*exc)
+        with _quiet_native_stderr():
+            self._prof.__exit__(*exc)
         if exc[0] is None:
             self.peak = allocation_peak(self._prof)
 
