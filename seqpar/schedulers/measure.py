@@ -296,9 +296,10 @@ def phase_plans(plans_json, lens, shape, seed: int, warmup: int, repeats: int):
 
 def phase_kernels(methods, seq_len: int, shape, sizes, reps) -> dict:
     """Rank 0 emulates each method's per-rank kernels on groups of each size (``seqpar bench
-    --emulate``: one device, every rank's per-step kernels back to back, no communication) at
-    ``seq_len``: ``{method: {size: compute efficiency}}`` (single-device time over N x the slowest
-    rank's kernel time). A method that cannot run at a size (heads) is left out."""
+    --emulate``: its device — the GPU under torchrun with CUDA, else the CPU — every rank's per-step
+    kernels back to back, no communication) at ``seq_len``: ``{method: {size: compute efficiency}}``
+    (single-device time over N x the slowest rank's kernel time). A method that cannot run at a
+    size (heads) is left out."""
     import torch.distributed as dist
 
     from seqpar.bench.core import BenchCase
@@ -307,12 +308,12 @@ def phase_kernels(methods, seq_len: int, shape, sizes, reps) -> dict:
     out: dict = {}
     if dist.get_rank() == 0:
         h, hk, d = shape
-        baselines: dict = {}
+        dev, baselines = _device(), {}
         for m in methods:
             for n in sizes:
                 t = max(2 * n, seq_len // (2 * n) * (2 * n))
                 row = emulate_case(BenchCase(m, t, n, True, heads=h, kv_heads=hk, head_dim=d, repeats=reps, warmup=1),
-                                   device="cpu", baselines=baselines)
+                                   device=dev, baselines=baselines)
                 if not row["error"] and row["efficiency"] > 0:
                     out.setdefault(m, {})[n] = float(row["efficiency"])
     dist.barrier()
