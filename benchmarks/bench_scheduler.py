@@ -111,7 +111,12 @@ def run(worlds, batches, num_seqs, loads, time_limit, exact_limit, exact_worlds,
             else:  # real lengths, as many documents as the token budget takes
                 lens = [int(x) for x in sample_tokens(int(tokens_per_rank * n), seed=1000 * n + b)]
             for set_name, methods in METHOD_SETS.items():
-                plan, wall, cpu = _timed(plan_batch, lens, cluster, cm, methods, time_limit=time_limit)
+                try:
+                    plan, wall, cpu = _timed(plan_batch, lens, cluster, cm, methods, time_limit=time_limit)
+                except ValueError as exc:  # e.g. Ulysses alone (degree <= heads) cannot hold the batch
+                    print(f"{setting} N={n:4d} tpr {int(tokens_per_rank)} batch {b:2d} {set_name:9s} infeasible: "
+                          f"{exc}", flush=True)
+                    continue
                 plan.validate(lens, cluster, cm)
                 static = best_static_plan(lens, cluster, cm, methods)
                 naive = token_balanced_static(lens, cluster, cm, methods)
