@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_FAILURE_GRACE", "DEFAULT_TIMEOUT", "DistributedTimeout", "RankError",
+__all__ = ["launched_by_torchrun", "progress_track", "DEFAULT_FAILURE_GRACE", "DEFAULT_TIMEOUT", "DistributedTimeout", "RankError",
            "WorkerPool", "get_pool", "run_distributed", "shutdown_pools"]
 
 DEFAULT_TIMEOUT = 120.0
@@ -462,3 +462,21 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     :class:`RankError`, or the ranks' own exception type when every rank raised it.
     """
     return get_pool(world_size).run(fn, args, kwargs, timeout=timeout)
+
+
+def launched_by_torchrun() -> bool:
+    """True when a launcher (torchrun) started this process as one of its ranks (RANK and WORLD_SIZE
+    are set): the commands then use the launched ranks instead of spawning their own."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def progress_track(items, description: str, enabled: bool = True):
+    """``items`` under a transient rich progress bar (the items themselves when disabled or rich is
+    missing: it is an optional extra)."""
+    if not enabled:
+        return items
+    try:
+        from rich.progress import track
+    except ImportError:
+        return items
+    return track(items, description=description, transient=True)

@@ -26,10 +26,12 @@ import torch.distributed as dist
 import seqpar
 from seqpar.attention.registry import LINEAR_METHODS
 
+from seqpar.testing import launched_by_torchrun as launched
+from seqpar.testing import progress_track as _progress
+
 from .memory import PeakMemory
 
-#: chunk length of the chunked linear-attention kernels (seqpar.kernels.linear_chunk.CHUNK)
-LINEAR_CHUNK = 64
+from seqpar.kernels.linear_chunk import CHUNK as LINEAR_CHUNK  # noqa: E402  chunk of the linear kernels
 
 
 @dataclass(frozen=True)
@@ -286,21 +288,6 @@ def run_case_on_rank(case: BenchCase) -> dict:
     except Exception as exc:  # a failing row is reported, the others go on
         row.error = f"{type(exc).__name__}: {exc}"
     return row.as_dict()
-
-
-def launched() -> bool:
-    """True under torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def _progress(items, description: str, enabled: bool):
-    if not enabled:
-        return items
-    try:
-        from rich.progress import track
-    except ImportError:  # rich is an optional extra
-        return items
-    return track(items, description=description, transient=True)
 
 
 def run_cases(cases: list[BenchCase], *, progress: bool = True) -> list[dict]:

@@ -183,11 +183,6 @@ def expand_matrix(config: dict) -> list[BenchCase]:
     return cases
 
 
-def available_ranks() -> int | None:
-    """Ranks a case may ask for: WORLD_SIZE under torchrun (exactly), else the local spawn limit."""
-    return int(os.environ["WORLD_SIZE"]) if launched() else None
-
-
 def validate_case(case: BenchCase, *, emulated: bool = False) -> None:
     """ValueError naming the field when a case cannot run: unknown method, impossible shapes for the
     method, or more ranks than can be had. Host-only, before anything runs."""

@@ -34,7 +34,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .collectives import _named_failure
+from .collectives import _add_ring, _named_failure
 from .groups import GroupInfo
 from .stats import CommStats, nbytes
 
@@ -164,7 +164,7 @@ def allgather_start(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | None
     with _named_failure(info, name):
         work = gather(flat, x, group=info.group, async_op=True)
     if stats is not None:
-        stats.add(name, (info.size - 1) * nbytes(x), peer=info.peer(1))
+        _add_ring(info, stats, name, nbytes(x))
     return Gathered(out, work, info, name)
 
 

@@ -27,9 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from seqpar.testing import launched_by_torchrun
+
 from .hf import IGNORE_INDEX, apply_context_parallel, packed_attention_supported, shard_inputs
 from .trainer_ckpt import load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
-from .trainer_config import (TrainConfig, global_batch, launched_by_torchrun, load_model_config,
+from .trainer_config import (TrainConfig, global_batch, load_model_config,
                              parse_args, validate, world_size_of)
 from .trainer_data import PackedSequences, TextFiles
 

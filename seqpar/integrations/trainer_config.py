@@ -168,8 +168,6 @@ def world_size_of(cfg: TrainConfig) -> int:
     return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else cfg.nproc
 
 
-def launched_by_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
 def global_batch(cfg: TrainConfig, world: int) -> int:

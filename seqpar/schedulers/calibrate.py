@@ -155,7 +155,9 @@ def _runner(nproc: int):
     """(run(fn, *args) -> rank 0's result, world size, is rank 0): spawned pool or launched ranks."""
     import torch
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: every rank runs every phase
+    from seqpar.testing import launched_by_torchrun
+
+    if launched_by_torchrun():  # torchrun: every rank runs every phase
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -211,7 +213,9 @@ def calibrate(*, nproc: int | None = None, methods: Sequence[str] | None = None,
     """
     import seqpar
 
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    from seqpar.testing import launched_by_torchrun
+
+    launched = launched_by_torchrun()
     nproc = int(os.environ["WORLD_SIZE"]) if launched else (4 if nproc is None else nproc)
     kv_heads = heads if kv_heads is None else kv_heads
     methods = list(methods) if methods is not None else [m for m in seqpar.METHODS if m in SOFTMAX_METHODS]
@@ -227,29 +231,30 @@ def calibrate(*, nproc: int | None = None, methods: Sequence[str] | None = None,
     meas: dict = {"shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "layers": layers},
                   "seq_lens": seq_lens, "repeats": reps, "world_size": world, "timed_methods": timed,
                   "loadavg_before": _loadavg()}
+    tokens = list(group_tokens) if group_tokens else sorted(seq_lens)[-1 if quick else -2:]
+
+    def overlap():  # a message about as long as the compute it should hide under
+        bw = _fit_links(meas["links"]).get((world, "p2p"), (1e9, 0.0))[0] if world > 1 else 1e9
+        tc = meas["compute"][timed[0]][seq_lens.index(mid)] * meas["core sharing"][world]
+        return run(phase_overlap, methods[0], mid, shape, min(64 << 20, max(64 << 10, bw * tc)), reps)
+
+    def group_steps():  # real packed steps, modelled with everything measured so far
+        cluster, cost = build_models(meas, methods)
+        batches = [(g, tailed_docs(g * c) * (world // g)) for c in tokens for g in cluster.group_sizes()]
+        return measure_group_scales(run, cluster, cost, methods, batches, shape, reps)[1]
+
     steps = [("compute", lambda: run(phase_compute, timed, seq_lens, shape, reps)),
              ("core sharing", lambda: run(phase_slowdown, methods[0], mid, shape, reps)),
              ("links", lambda: run(phase_links, QUICK_MESSAGE_BYTES if quick else DEFAULT_MESSAGE_BYTES, reps)),
-             ("overlap", None), ("memory", lambda: run(phase_memory, methods[0], mid, shape)),
+             ("overlap", overlap), ("memory", lambda: run(phase_memory, methods[0], mid, shape)),
              ("kernels", lambda: run(phase_kernels, methods, max(seq_lens), shape,
                                      [1 << i for i in range(1, world.bit_length())], reps))]
     if groups:
-        steps.append(("groups", None))
-    tokens = list(group_tokens) if group_tokens else sorted(seq_lens)[-1 if quick else -2:]
-    with _progress(progress and rank0, len(steps)) as advance:
-        for name, fn in steps:
-            advance(f"calibrate: {name}")
-            if name == "overlap":
-                bw = _fit_links(meas["links"]).get((world, "p2p"), (1e9, 0.0))[0] if world > 1 else 1e9
-                tc = meas["compute"][timed[0]][seq_lens.index(mid)] * meas["core sharing"][world]
-                message = min(64 << 20, max(64 << 10, bw * tc))
-                meas[name] = run(phase_overlap, methods[0], mid, shape, message, reps)
-            elif name == "groups":
-                cluster, cost = build_models(meas, methods)
-                batches = [(g, tailed_docs(g * c) * (world // g)) for c in tokens for g in cluster.group_sizes()]
-                _, meas[name] = measure_group_scales(run, cluster, cost, methods, batches, shape, reps)
-            else:
-                meas[name] = fn()
+        steps.append(("groups", group_steps))
+    from seqpar.testing import progress_track
+
+    for name, fn in progress_track(steps, "calibrate", progress and rank0):
+        meas[name] = fn()
     meas["loadavg_after"] = _loadavg()
     cluster, cost = build_models(meas, methods)
     if out is not None and rank0:
@@ -383,34 +388,3 @@ def build_models(meas: dict, methods: Sequence[str]) -> tuple[ClusterSpec, CostM
         fields.update(intra_node_bandwidth=intra[-1][0], latency_intra=intra[-1][1],
                       inter_node_bandwidth=inter[-1][0], latency_inter=inter[-1][1])
     return ClusterSpec(**fields), cost
-
-
-class _progress:
-    """A rich progress bar over the phases (a no-op when disabled or rich is missing)."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total, self.bar = enabled, total, None
-
-    def __enter__(self):
-        if self.enabled:
-            try:
-                from rich.progress import Progress
-
-                self.bar = Progress(transient=True)
-                self.bar.start()
-                self.task = self.bar.add_task("calibrate", total=self.total)
-            except ImportError:
-                self.bar = None
-        self.started = False
-
-        def advance(description: str) -> None:
-            if self.bar is not None:
-                self.bar.update(self.task, advance=1 if self.started else 0, description=description)
-            self.started = True
-        return advance
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.update(self.task, completed=self.total)
-            self.bar.stop()
-        return False

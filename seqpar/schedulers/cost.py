@@ -454,13 +454,15 @@ class CostModel:
     def with_group_scales(self, scales: dict) -> "CostModel":
         """A copy whose methods get ``scales[method] = {group size: (k_attn, k_rest)}`` (``group_scale``);
         ``{}`` for a method (or ``without_group_scales``) removes its table."""
-        def scaled(n, c):
-            return replace(c, group_scale=tuple((d, *k) for d, k in scales[n].items())) if n in scales else c
-        return replace(self, methods=tuple((n, scaled(n, c)) for n, c in self.methods))
+        return self._with_tables("group_scale", {n: [(d, *k) for d, k in by.items()] for n, by in scales.items()})
 
     def with_kernel_scales(self, scales: dict) -> "CostModel":
         """A copy whose methods get ``scales[method] = {group size: factor}`` (``kernel_scale``)."""
-        return replace(self, methods=tuple((n, replace(c, kernel_scale=tuple(scales[n].items())) if n in scales else c)
+        return self._with_tables("kernel_scale", {n: list(by.items()) for n, by in scales.items()})
+
+    def _with_tables(self, name: str, tables: dict) -> "CostModel":
+        """A copy whose methods in ``tables`` get ``tables[method]`` as their ``name`` table."""
+        return replace(self, methods=tuple((n, replace(c, **{name: tuple(tables[n])}) if n in tables else c)
                                            for n, c in self.methods))
 
     def for_other_hardware(self) -> "CostModel":

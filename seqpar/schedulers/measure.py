@@ -223,7 +223,7 @@ def phase_memory(method, s, shape) -> dict:
     except (OSError, ValueError, IndexError):
         pass
     if dev.type == "cuda":
-        free, total = torch.cuda.mem_get_info(dev)
+        _, total = torch.cuda.mem_get_info(dev)
         device_memory = float(total)
     else:
         device_memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / dist.get_world_size()

@@ -172,7 +172,9 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
         cost = formula.with_group_scales(held_out_scales(cluster, formula, methods, sizes, seq_len, shape, repeats))
     cases = [(n, m) for n in sizes for m in methods]
     rows = []
-    for n, m in _track(cases, progress):
+    from seqpar.testing import progress_track
+
+    for n, m in progress_track(cases, "validate", progress):
         row = {"method": m, "world_size": n, "seq_len": seq_len, "error": ""}
         cl = cluster.with_world_size(n)
         try:
@@ -225,17 +227,6 @@ def held_out_scales(cluster: ClusterSpec, cost: CostModel, methods: Sequence[str
         for m, by in got.items():
             scales.setdefault(m, {}).update(by)
     return scales
-
-
-def _track(items, enabled):
-    if enabled:
-        try:
-            from rich.progress import track
-
-            return track(items, description="validate", transient=True)
-        except ImportError:
-            pass
-    return items
 
 
 def summary(rows: list[dict]) -> dict:
