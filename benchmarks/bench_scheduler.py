@@ -41,8 +41,6 @@ import sys
 import time
 from pathlib import Path
 
-import heapq
-
 import numpy as np
 
 from seqpar.schedulers import ClusterSpec, CostModel, best_static_plan, fit_to_cluster, plan_batch, sample_lengths
@@ -78,27 +76,11 @@ def _timed(fn, *args, **kwargs):
 def token_balanced_static(lens, cluster, cm, methods):
     """The usual packer's baseline: one SP degree and method, sequences spread over the data-parallel
     groups balancing token counts (not modelled time); best over degrees and methods."""
-    best = float("inf")
-    order = sorted(range(len(lens)), key=lambda i: -lens[i])
-    for d in cluster.group_sizes():
-        if cluster.world_size % d:
-            continue
-        heap = [(0, g) for g in range(cluster.world_size // d)]
-        members = [[] for _ in heap]
-        for i in order:
-            tokens, g = heapq.heappop(heap)
-            members[g].append(lens[i])
-            heapq.heappush(heap, (tokens + lens[i], g))
-        for m in methods or cm.default_methods():
-            if not cm.supports(m, d):
-                continue
-            if any(cm.memory(m, d, ms) > cluster.memory_per_rank for ms in members):
-                continue
-            best = min(best, max(cm.time(m, d, ms, cluster) for ms in members))
-    return best
+    return best_static_plan(lens, cluster, cm, methods, balance="tokens").estimated_time
 
 
-def run(worlds, batches, num_seqs, loads, time_limit, exact_limit, exact_worlds, exact_batches, setting="fit"):
+def run(worlds, batches, num_seqs, loads, time_limit, exact_limit, exact_worlds, exact_batches, setting="fit",
+        method_sets=tuple(METHOD_SETS)):
     lengths, memory = SETTINGS[setting][:2]
     cm = CostModel.default(checkpointing="none" if memory == "nockpt" else "layer")
     rows = []
@@ -110,7 +92,8 @@ def run(worlds, batches, num_seqs, loads, time_limit, exact_limit, exact_worlds,
                                                        tokens_per_rank)]
             else:  # real lengths, as many documents as the token budget takes
                 lens = [int(x) for x in sample_tokens(int(tokens_per_rank * n), seed=1000 * n + b)]
-            for set_name, methods in METHOD_SETS.items():
+            for set_name in method_sets:
+                methods = METHOD_SETS[set_name]
                 try:
                     plan, wall, cpu = _timed(plan_batch, lens, cluster, cm, methods, time_limit=time_limit)
                 except ValueError as exc:  # e.g. Ulysses alone (degree <= heads) cannot hold the batch
@@ -250,9 +233,6 @@ def main(argv=None) -> int:
     wanted = [x for x in args.method_sets.split(",") if x]
     if bad or not settings or any(m not in METHOD_SETS for m in wanted) or not wanted:
         p.error(f"--settings: choose from {', '.join(SETTINGS)}; --method-sets: choose from {', '.join(METHOD_SETS)}")
-    for k in list(METHOD_SETS):
-        if k not in wanted:
-            del METHOD_SETS[k]
     exact = {int(x) for x in args.exact_worlds.split(",") if x}
     try:  # the MILP imports scipy.optimize lazily (~1 s once): not part of any batch's solve time
         import scipy.optimize  # noqa: F401
@@ -266,7 +246,7 @@ def main(argv=None) -> int:
                                                                            args.tokens_per_rank.split(",")]
         worlds = SETTINGS[setting][3] if args.worlds is None else [int(x) for x in args.worlds.split(",")]
         rows += run(worlds, args.batches, args.num_seqs, loads, args.time_limit, args.exact_limit, exact,
-                    args.exact_batches, setting)
+                    args.exact_batches, setting, wanted)
     summary = summarise(rows)
     command = "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))
     write(rows, summary, Path(args.out), command, load_before, tuple(round(x, 1) for x in os.getloadavg()),

@@ -44,6 +44,7 @@ import numpy as np
 
 from seqpar.schedulers import fit_to_cluster, plan_batch, sample_lengths, static_plan
 from seqpar.schedulers.measure import phase_plans
+from seqpar.testing import usable_cores
 
 DEFAULT_METHODS = ("zigzag_ring", "striped_ring", "ring", "allgather_kv", "ulysses", "usp", "lightseq", "token_ring")
 
@@ -108,10 +109,6 @@ def one_rank_work(lens, cluster, cost, method, *, heads, head_dim, seed, warmup,
     (times, _), = get_pool(1, threads_per_rank=1).run(
         phase_plans, ([plan.to_json()], lens, (heads, heads, head_dim), seed, warmup, repeats), {}, timeout=3600)[0]
     return statistics.median(times)
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def batch_lengths(num_seqs, seed, cluster, cost, tokens_per_rank):

@@ -470,6 +470,14 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def progress_track(items, description: str, enabled: bool = True):
     """``items`` under a transient rich progress bar (the items themselves when disabled or rich is
     missing: it is an optional extra)."""

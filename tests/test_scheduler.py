@@ -206,6 +206,33 @@ def test_static_plan():
         static_plan(lens, ClusterSpec.h100(64), 64, "ulysses")  # 32 heads
 
 
+def test_static_plan_token_balanced():
+    """balance="tokens" is the length-aware packer of static systems: longest first onto the group
+    with the fewest tokens, blind to the quadratic attention cost that balance="time" sees."""
+    cluster = ClusterSpec.h100(16)
+    lens = [int(x) for x in fit_to_cluster(sample_lengths(64, 5), cluster, CM, tokens_per_rank=16384)]
+    tok = static_plan(lens, cluster, 2, "zigzag_ring", balance="tokens")
+    tok.validate(lens, cluster, CM)
+    totals = sorted(sum(lens[i] for i in g.seqs) for g in tok.groups)
+    assert totals[-1] - totals[0] <= max(lens)
+    assert best_static_plan(lens, cluster, balance="tokens").solver == "static"
+    # by hand, 2 ranks: by tokens 100K | 70K, the first 40K joins the 70K group (fewer tokens), the
+    # second the 100K one (100K < 110K tokens); by time the 100K document's attention outweighs 150K
+    # tokens of shorter ones, so both 40K documents join the 70K one
+    lens = [100_000, 70_000, 40_000, 40_000]
+    two = ClusterSpec.h100(2)
+    by_tokens = static_plan(lens, two, 1, "zigzag_ring", balance="tokens")
+    by_time = static_plan(lens, two, 1, "zigzag_ring")
+    assert sorted(g.seqs for g in by_tokens.groups) == [(0, 3), (1, 2)]
+    assert sorted(g.seqs for g in by_time.groups) == [(0,), (1, 2, 3)]
+    assert by_time.estimated_time < by_tokens.estimated_time / 1.1
+    for bad in ("token", None):
+        with pytest.raises(ValueError, match="balance"):
+            static_plan(lens, two, 1, "zigzag_ring", balance=bad)
+        with pytest.raises(ValueError, match="balance"):
+            best_static_plan(lens, two, balance=bad)
+
+
 @pytest.mark.parametrize("lens, match", [
     ([], "empty"), ([100, 0], "positive"), ([100, -5], "positive"), ([10.5], "whole"), ("123", "seq_lens"),
     ([10 ** 9], "does not fit"),
@@ -298,6 +325,11 @@ def test_cli_plan(tmp_path, capsys):
     (tmp_path / "l.json").write_text("[5000, 7000, 9000]")
     assert plan_main([str(tmp_path / "l.json"), "--solver", "greedy", "--methods", "ulysses,zigzag_ring"]) == 0
     assert plan_main(["--dist", "stdlib", "--num-seqs", "32", "--world-size", "8"]) == 0
+    capsys.readouterr()
+    # a named machine: its links and FLOP rates; explicit flags override it
+    assert plan_main([str(f), "--world-size", "16", "--profile", "a100-nvlink-ib", "--inter-bw", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "token-balancing packer" in text and "speedup over best static" in text
     bad = tmp_path / "bad.txt"
     bad.write_text("12\nabc\n")
     assert plan_main([str(bad)]) == 2
@@ -316,3 +348,25 @@ def test_default_checkpointing_trades_memory_for_recompute():
     assert b.m_token - kv_buffer == pytest.approx(5.9e6, rel=0.02)
     with pytest.raises(ValueError, match="checkpointing"):
         CostModel.default(checkpointing="full")
+
+
+def test_bench_scheduler_baselines_cell():
+    """The baselines benchmark's bookkeeping on a small cluster: the adaptive plan never loses to the
+    per-batch static plan, and a configuration fixed for the whole run can never beat re-picking the
+    best token-balanced configuration per batch."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)
+    bench = importlib.import_module("bench_scheduler_baselines")
+    rows = bench.cell("a100-nvlink-ib", 16, "fit", 8192, 2, 0.1, inter_gbps=5.0)
+    assert {r["methods"] for r in rows} == {"all", "ring-only", "ulysses-only"}
+    for r in rows:
+        assert r["inter_gbps"] == 5.0 and r["batches"] == 2
+        assert r["per_batch_median"] >= 1 - 1e-9 and r["per_batch_run"] >= 1 - 1e-9
+        assert r["packer_run"] <= r["fixed_run"] * (1 + 1e-12)
+        d, m = r["fixed_config"].split("x", 1)
+        assert int(d) in (1, 2, 4, 8, 16) and m

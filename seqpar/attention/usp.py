@@ -190,9 +190,15 @@ def make_usp_groups(group=None, ulysses_degree: int | None = None) -> USPGroups:
 # ----------------------------------------------------------------------------- layout
 
 
+def usp_length_multiple(ulysses_degree: int, ring_degree: int, ring_method: str | None = None) -> int:
+    """Global lengths USP splits evenly are the multiples of R·lcm(m, U), with m the ring layout's
+    own multiple (2 for zigzag: two chunks per ring rank)."""
+    return ring_degree * math.lcm(LAYOUT_MULTIPLE[ring_method_spec(ring_method).layout], ulysses_degree)
+
+
 def _check_length(T: int, axes: USPGroups, spec: MethodSpec, argument: str) -> None:
     m = LAYOUT_MULTIPLE[spec.layout]
-    multiple = axes.ring_degree * math.lcm(m, axes.ulysses_degree)
+    multiple = usp_length_multiple(axes.ulysses_degree, axes.ring_degree, spec.name)
     if T % multiple:
         raise ValueError(
             f"{argument}: a sequence of {T} tokens cannot be split for method='usp' with "

@@ -31,11 +31,10 @@ before anything runs: a ValueError names the field and says how to fix it.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 from seqpar.attention.registry import LINEAR_METHODS, METHODS, REGISTRY
-from seqpar.layout import LAYOUT_MULTIPLE, check_global_length
+from seqpar.layout import check_global_length
 
 from .core import BenchCase, launched, run_cases
 
@@ -221,11 +220,11 @@ def validate_case(case: BenchCase, *, emulated: bool = False) -> None:
             raise ValueError(f"heads: {where}: ulysses gives every rank heads/N query heads; heads={case.heads} "
                              f"is not divisible by N={n} (use usp, or a ring-family method)")
     elif case.method == "usp":
-        from seqpar.attention.usp import DEFAULT_RING_METHOD, default_ulysses_degree
+        from seqpar.attention.usp import DEFAULT_RING_METHOD, default_ulysses_degree, usp_length_multiple
 
         u = default_ulysses_degree(n)
         r = n // u
-        mult = r * math.lcm(LAYOUT_MULTIPLE[REGISTRY[DEFAULT_RING_METHOD].layout], u)
+        mult = usp_length_multiple(u, r, DEFAULT_RING_METHOD)
         if case.seq_len % mult:
             raise ValueError(f"seq_lens: {where}: usp with ulysses_degree={u} x {r} ring ranks of "
                              f"{DEFAULT_RING_METHOD} needs a multiple of R*lcm(2, U) = {mult}; "

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar.testing import launched_by_torchrun
+from seqpar.testing import launched_by_torchrun, usable_cores
 
 from .hf import IGNORE_INDEX, apply_context_parallel, packed_attention_supported, shard_inputs
 from .trainer_ckpt import load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
@@ -70,13 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def run(cfg: TrainConfig) -> TrainResult | None:
     world = world_size_of(cfg)
     # a single-device probe, so it runs before any process group exists
@@ -99,12 +92,12 @@ def run(cfg: TrainConfig) -> TrainResult | None:
     elif cfg.nproc > 1:
         from seqpar.testing import get_pool  # a persistent pool of gloo ranks with timeouts
 
-        threads = cfg.threads or max(1, _cores() // cfg.nproc)
+        threads = cfg.threads or max(1, usable_cores() // cfg.nproc)
         result = get_pool(cfg.nproc, threads_per_rank=threads).run(_rank_main, (cfg, packed), {},
                                                                    timeout=cfg.timeout)[0]
     else:
         previous = torch.get_num_threads()
-        torch.set_num_threads(cfg.threads or _cores())
+        torch.set_num_threads(cfg.threads or usable_cores())
         try:
             result = _rank_main(cfg, packed)
         finally:
@@ -373,16 +366,21 @@ def _static_step(cfg: TrainConfig, rt: _Runtime, data, model, params, batch: int
     return float(_all_reduce_grads(params, loss_sum.float().reshape(1))[0]) / float(count.clamp(min=1))
 
 
+def token_loss(model, shard, autocast) -> torch.Tensor:
+    """Summed (fp32) next-token cross entropy of one sharded batch on this rank, in the graph."""
+    with autocast:
+        logits = model(**shard.model_kwargs()).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shard.labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def _forward_backward(model, shards, count: float, autocast) -> torch.Tensor:
     """Backward of this rank's token losses / the global count; returns their (detached) sum."""
     loss_sum = None
     for b in shards:
-        with autocast:
-            logits = model(**b.model_kwargs()).logits
-        token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b.labels.reshape(-1),
-                                     ignore_index=IGNORE_INDEX, reduction="sum")
-        (token_loss / count).backward()  # this rank's share; gradients are summed over ranks after
-        part = token_loss.detach().double()
+        token_loss_sum = token_loss(model, b, autocast)
+        (token_loss_sum / count).backward()  # this rank's share; gradients are summed over ranks after
+        part = token_loss_sum.detach().double()
         loss_sum = part if loss_sum is None else loss_sum + part
     if loss_sum is None:  # an adaptive plan may leave a rank without sequences this step
         device = next(model.parameters()).device

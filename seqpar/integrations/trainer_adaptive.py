@@ -26,9 +26,9 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from .hf import IGNORE_INDEX, apply_context_parallel, shard_inputs
+from .hf import apply_context_parallel, shard_inputs
+from .trainer import token_loss
 
 RING_FAMILY = ("zigzag_ring", "striped_ring", "ring", "allgather_kv")  # 1-D groups, any head counts
 
@@ -106,10 +106,7 @@ class AdaptiveRunner:
                 shards = [shard_inputs(t[None].to(device), group=work.group, method=work.method) for t, _ in items]
             loss_sum, count = None, 0
             for b in shards:
-                with autocast:
-                    logits = self.model(**b.model_kwargs()).logits
-                ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b.labels.reshape(-1),
-                                     ignore_index=IGNORE_INDEX, reduction="sum")
+                ce = token_loss(self.model, b, autocast)
                 loss_sum = ce if loss_sum is None else loss_sum + ce
                 count += b.num_valid
             return loss_sum, count

@@ -377,7 +377,9 @@ def build_models(meas: dict, methods: Sequence[str]) -> tuple[ClusterSpec, CostM
     intra = [links[(g, "p2p")] for g in sorted({g for g, _ in links}) if g <= rpn]
     inter = [links[(g, "p2p")] for g in sorted({g for g, _ in links}) if g > rpn] or intra
     cpu = mem["device"] == "cpu"
-    cores = len(os.sched_getaffinity(0)) if cpu and hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from seqpar.testing import usable_cores
+
+    cores = usable_cores() if cpu else (os.cpu_count() or 1)
     fields = {"world_size": world, "ranks_per_node": rpn, "memory_per_rank": float(mem["memory_per_rank"]),
               "cores": float(cores) if cpu else 0.0,
               "compute_slowdown_by_ranks": tuple((int(k), max(1.0, float(v)) if cpu else float(v))

@@ -2,6 +2,7 @@
 
     seqpar plan lengths.txt --world-size 64          # one length per line, or a JSON list
     seqpar plan --dist stdlib --num-seqs 512 --world-size 64 --plot plan.png
+    seqpar plan --dist stdlib-mix --world-size 256 --profile a100-nvlink-ib --methods zigzag_ring
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import sys
 from pathlib import Path
 
-from .cluster import ClusterSpec
+from .cluster import PROFILES, ClusterSpec, get_profile
 from .cost import CostModel
 from .data import DISTRIBUTIONS, fit_to_cluster, sample_lengths
 from .greedy import best_static_plan
@@ -57,11 +58,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-rank", type=float, default=None,
                    help="scale lengths to this many tokens per rank (default 32768 with --dist, none for files)")
     p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--profile", choices=list(PROFILES), default=None,
+                   help="named machine: its links, memory and FLOP rates (default: h100-nvlink-ib); "
+                        "--ranks-per-node, --intra-bw, --inter-bw and --memory override it")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="(default: the profile's, 8)")
     p.add_argument("--intra-bw", type=float, default=None, help="intra-node GB/s per rank and direction")
     p.add_argument("--inter-bw", type=float, default=None, help="inter-node GB/s per rank and direction")
     p.add_argument("--memory", type=float, default=None, help="GB of memory per rank")
-    p.add_argument("--cost-model", help="JSON cost model (default: H100, Llama-3-8B shape)")
+    p.add_argument("--cost-model", help="JSON cost model (default: Llama-3-8B shape at the profile's FLOP rates)")
     p.add_argument("--methods", help="comma-separated methods a group may use (default: softmax methods)")
     p.add_argument("--time-limit", default="0.1", help="seconds for planning, or 'none' (default 0.1)")
     p.add_argument("--solver", choices=SOLVERS, default="milp")
@@ -84,14 +88,19 @@ def plan_main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if (args.lengths is None) == (args.dist is None):
         raise ValueError("give either a lengths file or --dist (not both)")
-    fields = {"world_size": args.world_size, "ranks_per_node": args.ranks_per_node}
-    for name, value, scale in (("intra_node_bandwidth", args.intra_bw, 1e9),
-                               ("inter_node_bandwidth", args.inter_bw, 1e9), ("memory_per_rank", args.memory, 1e9)):
-        if value is not None:
-            fields[name] = value * scale
+    profile = get_profile(args.profile or "h100-nvlink-ib")
+    fields = {"world_size": args.world_size, "ranks_per_node": args.ranks_per_node or profile.ranks_per_node,
+              "latency_intra": profile.latency_intra, "latency_inter": profile.latency_inter}
+    for name, value, default in (("intra_node_bandwidth", args.intra_bw, profile.intra_node_bandwidth),
+                                 ("inter_node_bandwidth", args.inter_bw, profile.inter_node_bandwidth),
+                                 ("memory_per_rank", args.memory, profile.memory_per_rank)):
+        fields[name] = default if value is None else value * 1e9
     cluster = ClusterSpec(**fields)
     methods = None if not args.methods else [m.strip() for m in args.methods.split(",") if m.strip()]
-    cost_model = CostModel.load(args.cost_model, required=methods or ()) if args.cost_model else CostModel.default()
+    if args.cost_model:
+        cost_model = CostModel.load(args.cost_model, required=methods or ())
+    else:
+        cost_model = CostModel.default(attention_flops=profile.attention_flops, gemm_flops=profile.gemm_flops)
     time_limit = None if str(args.time_limit).lower() == "none" else float(args.time_limit)
     if args.dist:
         raw = sample_lengths(args.num_seqs, args.seed, args.dist)
@@ -105,10 +114,11 @@ def _run(args: argparse.Namespace) -> int:
     plan.validate(lens, cluster, cost_model)
     try:
         static = best_static_plan(lens, cluster, cost_model, methods)
+        packer = best_static_plan(lens, cluster, cost_model, methods, balance="tokens")
     except ValueError as exc:
-        static = None
+        static = packer = None
         print(f"(no static plan fits: {exc})")
-    _print(plan, lens, static)
+    _print(plan, lens, static, packer)
     if args.json:
         Path(args.json).write_text(plan.to_json(indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -118,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(plan: Plan, lens: list[int], static: Plan | None) -> None:
+def _print(plan: Plan, lens: list[int], static: Plan | None, packer: Plan | None = None) -> None:
     rows = [(f"{g.start}-{g.start + g.size - 1}", str(g.size), g.method, str(len(g.seqs)),
              f"{sum(lens[i] for i in g.seqs):,}", f"{max((lens[i] for i in g.seqs), default=0):,}",
              f"{g.estimated_time:.4f}") for g in plan.groups]
@@ -147,6 +157,10 @@ def _print(plan: Plan, lens: list[int], static: Plan | None) -> None:
         g = static.groups[0]
         print(f"best static plan:  {static.estimated_time:.4f} s  (sp_degree {g.size}, {g.method})")
         print(f"speedup over best static: {static.estimated_time / plan.estimated_time:.3f}x")
+    if packer is not None:
+        g = packer.groups[0]
+        print(f"best static plan with a token-balancing packer: {packer.estimated_time:.4f} s  (sp_degree {g.size}, "
+              f"{g.method}; speedup {packer.estimated_time / plan.estimated_time:.3f}x)")
     if plan.notes:
         print(f"notes: {plan.notes}")
 

@@ -13,6 +13,7 @@ over the data-parallel replicas by LPT.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time as _time
 from typing import Sequence
@@ -23,6 +24,9 @@ from .assign import Assignment, Table, group_times, layout, lpt_assign, refine, 
 from .cluster import ClusterSpec, is_power_of_two
 from .cost import CostModel, _check_lens
 from .plan import Plan
+
+# how a static plan spreads sequences over its equal groups (see static_plan)
+BALANCES = ("time", "tokens")
 
 
 def setup(seq_lens: Sequence[int], cluster: ClusterSpec, cost_model: CostModel | None,
@@ -235,14 +239,19 @@ def _layout_search(table: Table, lens: np.ndarray, best: Assignment, best_t: flo
 
 
 def static_plan(seq_lens: Sequence[int], cluster: ClusterSpec, sp_degree: int, method: str,
-                cost_model: CostModel | None = None) -> Plan:
+                cost_model: CostModel | None = None, balance: str = "time") -> Plan:
     """One SP degree and one method for the whole batch: ``world_size / sp_degree`` equal groups.
 
-    Sequences are spread over the groups longest first onto the earliest-finishing group (LPT),
-    so the baseline is balanced as well as a fixed degree allows. ValueError when ``sp_degree`` does
-    not tile the world, the method cannot run at that degree, or a group exceeds memory.
+    ``balance="time"`` (default) spreads the sequences longest first onto the group that would
+    finish earliest under the cost model (LPT), so the baseline is balanced as well as a fixed degree
+    allows. ``balance="tokens"`` does the same by token count, as data loaders and packers of static
+    systems do (they know lengths, not the quadratic attention cost). ValueError when ``sp_degree``
+    does not tile the world, the method cannot run at that degree, a group exceeds memory, or
+    ``balance`` is neither.
     """
     started = _time.perf_counter()
+    if balance not in BALANCES:
+        raise ValueError(f"balance={balance!r}: expected one of {', '.join(BALANCES)}")
     if not is_power_of_two(sp_degree) or sp_degree > cluster.world_size or cluster.world_size % sp_degree:
         raise ValueError(f"sp_degree={sp_degree!r} must be a power of two dividing world_size={cluster.world_size}")
     lens, table = setup(seq_lens, cluster, cost_model, [method] if isinstance(method, str) else method)
@@ -253,7 +262,10 @@ def static_plan(seq_lens: Sequence[int], cluster: ClusterSpec, sp_degree: int, m
     groups = layout([sp_degree] * (cluster.world_size // sp_degree))
     if sp_degree not in table.size_index:  # only possible if the table dropped the size: rebuild
         raise ValueError(f"sp_degree={sp_degree}: method {method!r} is unavailable at this size")
-    a = lpt_assign(table, lens, groups, fixed=coeffs)
+    if balance == "time":
+        a = lpt_assign(table, lens, groups, fixed=coeffs)
+    else:
+        a = Assignment(list(groups), _token_balanced(lens, len(groups)))
     s1 = np.bincount(a.owner, weights=lens, minlength=len(groups))
     worst = float(coeffs.memory(s1.max()))
     if worst > cluster.memory_per_rank:
@@ -263,9 +275,23 @@ def static_plan(seq_lens: Sequence[int], cluster: ClusterSpec, sp_degree: int, m
     return plan
 
 
+def _token_balanced(lens: np.ndarray, num_groups: int) -> np.ndarray:
+    """Owner of each sequence when placed longest first onto the group holding the fewest tokens."""
+    heap = [(0, g) for g in range(num_groups)]
+    owner = np.empty(len(lens), dtype=np.int64)
+    for i in np.argsort(-lens, kind="stable").tolist():
+        tokens, g = heap[0]
+        heapq.heapreplace(heap, (tokens + int(lens[i]), g))
+        owner[i] = g
+    return owner
+
+
 def best_static_plan(seq_lens: Sequence[int], cluster: ClusterSpec, cost_model: CostModel | None = None,
-                     methods: Sequence[str] | None = None) -> Plan:
-    """The fastest feasible :func:`static_plan` over every degree and method (the baseline to beat)."""
+                     methods: Sequence[str] | None = None, balance: str = "time") -> Plan:
+    """The fastest feasible :func:`static_plan` over every degree and method (the baseline to beat);
+    ``balance`` as in :func:`static_plan`."""
+    if balance not in BALANCES:
+        raise ValueError(f"balance={balance!r}: expected one of {', '.join(BALANCES)}")
     cost_model = CostModel.default() if cost_model is None else cost_model
     methods = cost_model.default_methods() if methods is None else tuple(methods)
     best, errors = None, []
@@ -276,7 +302,7 @@ def best_static_plan(seq_lens: Sequence[int], cluster: ClusterSpec, cost_model: 
             if not cost_model.supports(m, d):
                 continue
             try:
-                p = static_plan(seq_lens, cluster, d, m, cost_model)
+                p = static_plan(seq_lens, cluster, d, m, cost_model, balance)
             except ValueError as exc:
                 errors.append(str(exc))
                 continue

@@ -66,7 +66,6 @@ def bucketize(lens: np.ndarray, weight: tuple[float, float], num_buckets: int = 
         bounds.append((i0, j))
         j, k = i0 - 1, k - 1
     bounds.reverse()
-    counts = np.array([pc[b + 1] - pc[a] for a, b in bounds], dtype=np.int64)
     value_bucket = np.empty(m, dtype=np.int64)
     for q, (a, b) in enumerate(bounds):
         value_bucket[a:b + 1] = q
