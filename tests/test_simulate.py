@@ -126,3 +126,14 @@ def test_validate_on_two_ranks_bytes_exact_and_rows_complete():
         assert r["probe_ratio"] > 0 and r["probe_ms"] == pytest.approx(r["formula_ms"] * r["probe_ratio"])
     s = summary(rows)
     assert s["rows"] == len(methods) and s["max_abs_error"] >= s["median_abs_error"]
+
+
+def test_parse_lengths():
+    """One parser for every command's token counts: k = 1024, m = 1024², errors name the option."""
+    from seqpar.schedulers.data import parse_length, parse_lengths
+
+    assert parse_lengths("2k, 1m,5") == [2048, 1048576, 5]
+    assert parse_length(" 8K ") == 8192 and parse_length(4096) == 4096
+    for bad in ("8x", "k", "", "1.5k"):
+        with pytest.raises(ValueError, match="--seq-len"):
+            parse_length(bad, "--seq-len")

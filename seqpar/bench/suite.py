@@ -35,6 +35,7 @@ import os
 
 from seqpar.attention.registry import LINEAR_METHODS, METHODS, REGISTRY
 from seqpar.layout import check_global_length
+from seqpar.schedulers.data import parse_length
 
 from .core import BenchCase, launched, run_cases
 
@@ -45,17 +46,6 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 METHOD_GROUPS = {"all": METHODS + LINEAR_METHODS, "softmax": METHODS, "linear": LINEAR_METHODS}
 #: spawning more local ranks than this per CPU core is refused (each rank is a process with its own torch)
 RANKS_PER_CORE = 8
-
-
-def parse_length(x, field: str = "seq_lens") -> int:
-    """``8192``, ``"8192"`` or ``"8k"`` (k = 1024) -> int; ValueError naming ``field`` otherwise."""
-    text = str(x).strip().lower()
-    mult = 1024 if text.endswith("k") else 1
-    try:
-        value = int(text[:-1] if mult > 1 else text) * mult
-    except ValueError:
-        raise ValueError(f"{field}: {x!r} is not a length (an integer, or e.g. '8k' for 8192)") from None
-    return value
 
 
 def parse_methods(spec, field: str = "methods") -> list[str]:

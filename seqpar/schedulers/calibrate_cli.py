@@ -86,16 +86,16 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
-        from .simulate import _int_list
+        from .data import parse_lengths
 
         methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-        lens = _int_list(args.seq_lens) if args.seq_lens else None
+        lens = parse_lengths(args.seq_lens, "--seq-lens") if args.seq_lens else None
         cluster, cost = calibrate(nproc=args.nproc, methods=methods, seq_lens=lens, heads=args.heads,
                                   kv_heads=args.kv_heads, head_dim=args.head_dim, layers=args.layers,
                                   quick=args.quick, repeats=args.repeats, out=args.out,
                                   progress=not args.no_progress, share_compute=args.share_compute,
                                   groups=not args.no_groups,
-                                  group_tokens=_int_list(args.group_tokens) if args.group_tokens else None)
+                                  group_tokens=parse_lengths(args.group_tokens, "--group-tokens") if args.group_tokens else None)
     except ValueError as exc:
         print(f"seqpar calibrate: error: {exc}", file=sys.stderr)
         return 2

@@ -325,10 +325,11 @@ def validate_main(args) -> int:
     import json
     from pathlib import Path
 
-    from .simulate import _int_list, write_rows
+    from .data import parse_lengths
+    from .simulate import write_rows
 
-    (seq_len,) = _int_list(args.seq_len or "8k")
-    sizes = _int_list(args.world_sizes or "2,4,8")
+    (seq_len,) = parse_lengths(args.seq_len or "8k", "--seq-len")
+    sizes = parse_lengths(args.world_sizes or "2,4,8", "--world-sizes")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     heads, hd = args.heads or 8, args.head_dim or 32
     calibration = None

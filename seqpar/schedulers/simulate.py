@@ -35,6 +35,7 @@ from typing import Sequence
 
 from .cluster import PROFILES, ClusterSpec, get_profile, is_power_of_two
 from .cost import KNOWN_METHODS, SOFTMAX_METHODS, CostModel, attention_factor
+from .data import parse_lengths
 
 DEFAULT_WORLD_SIZES = tuple(1 << k for k in range(3, 11))  # 8 .. 1024
 
@@ -180,18 +181,6 @@ def plot_efficiency(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _int_list(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        mult = 1
-        for suffix, m in (("k", 1024), ("m", 1024 * 1024)):
-            if part.endswith(suffix):
-                part, mult = part[:-1], m
-        out.append(int(part) * mult)
-    return out
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqpar simulate", description="Project step time and efficiency of every "
                                 "method for 8..1024 GPUs from the cost model (overlap included); --validate "
@@ -247,8 +236,8 @@ def simulate_main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    (seq_len,) = _int_list(args.seq_len or "128k")
-    sizes = _int_list(args.world_sizes) if args.world_sizes else list(DEFAULT_WORLD_SIZES)
+    (seq_len,) = parse_lengths(args.seq_len or "128k", "--seq-len")
+    sizes = parse_lengths(args.world_sizes, "--world-sizes") if args.world_sizes else list(DEFAULT_WORLD_SIZES)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     bad = [m for m in methods or [] if m not in KNOWN_METHODS]
     if bad:
