@@ -112,12 +112,12 @@ def _run(args: argparse.Namespace) -> int:
             lens = [int(x) for x in fit_to_cluster(lens, cluster, cost_model, args.tokens_per_rank, methods)]
     plan = plan_batch(lens, cluster, cost_model, methods, time_limit=time_limit, solver=args.solver)
     plan.validate(lens, cluster, cost_model)
+    static = packer = None
     try:
         static = best_static_plan(lens, cluster, cost_model, methods)
         packer = best_static_plan(lens, cluster, cost_model, methods, balance="tokens")
     except ValueError as exc:
-        static = packer = None
-        print(f"(no static plan fits: {exc})")
+        print(f"(no {'token-balanced ' if static else ''}static plan fits: {exc})")
     _print(plan, lens, static, packer)
     if args.json:
         Path(args.json).write_text(plan.to_json(indent=2) + "\n")
