@@ -370,3 +370,60 @@ def test_bench_scheduler_baselines_cell():
         assert r["packer_run"] <= r["fixed_run"] * (1 + 1e-12)
         d, m = r["fixed_config"].split("x", 1)
         assert int(d) in (1, 2, 4, 8, 16) and m
+
+
+# ------------------------------------------------------------------------ ranks sharing CPU cores
+def _shared_cpu(slowdown4: float = 2.0):
+    """4 ranks on 2 cores (the measured slowdown of 4 busy ranks: 2 = pure time sharing), one method
+    whose compute is alpha2·s + alpha1·s² per rank and whose communication costs a fixed 10 ms."""
+    cluster = ClusterSpec(world_size=4, ranks_per_node=4, cores=2, intra_node_bandwidth=1e9,
+                          inter_node_bandwidth=1e9, memory_per_rank=1e12, latency_intra=1e-2,
+                          latency_inter=1e-2, compute_slowdown_by_ranks=((1, 1.0), (2, 1.0), (4, slowdown4)))
+    mc = MethodCost(alpha1=1e-8, alpha2=1e-5, beta1=0.0, m_token=1.0, m_model=0.0)
+    cost = CostModel(methods=(("ulysses", mc),), hidden=64, kv_hidden=64, layers=1, n_heads=4)
+    return cluster, cost
+
+
+def test_shared_cores_plan_time_by_hand():
+    """On shared cores a plan takes max(its slowest group alone, its total compute / the cores): the
+    rank with one long document runs at full speed once the others are done, instead of at half
+    speed all along (what the per-group model with every rank busy said)."""
+    cluster, cost = _shared_cpu()
+    # no contention beyond time sharing (slowdown 2 = 4 ranks / 2 cores): 1 / 2 cores
+    assert cluster.shares_cores and cluster.work_scale() == pytest.approx(0.5)
+    w = lambda s: 1e-5 * s + 1e-8 * s * s  # noqa: E731  (one rank's compute alone)
+    lens = [4000, 500, 500, 500]
+    p = static_plan(lens, cluster, 1, "ulysses", cost)
+    assert sorted(g.seqs for g in p.groups) == [(0,), (1,), (2,), (3,)]
+    assert p.estimated_time == pytest.approx(max(w(4000), sum(map(w, lens)) / 2))  # = w(4000) here
+    assert p.estimated_time == pytest.approx(w(4000))
+    # balanced: the cores bind, as with the per-group model and all ranks busy
+    even = [2000] * 8
+    q = static_plan(even, cluster, 1, "ulysses", cost)
+    assert q.estimated_time == pytest.approx(8 * w(2000) / 2)
+    # contention beyond time sharing (slowdown 2.5 for 4 ranks on 2 cores) scales the work bound
+    cl25, _ = _shared_cpu(2.5)
+    assert static_plan(even, cl25, 1, "ulysses", cost).estimated_time == pytest.approx(1.25 * 8 * w(2000) / 2)
+    # a group of 4 alone is slowed by all 4 of its ranks sharing the 2 cores; 10 ms of comm per step
+    r = static_plan(even, cluster, 4, "ulysses", cost)
+    assert r.estimated_time >= 2 * sum(map(w, even)) / 4
+    # a GPU cluster is unchanged: no core sharing, no work term
+    gpu = ClusterSpec(world_size=4, ranks_per_node=4, memory_per_rank=1e12)
+    assert not gpu.shares_cores and gpu.work_scale() == 0.0
+    assert static_plan(lens, gpu, 1, "ulysses", cost).estimated_time == pytest.approx(w(4000))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(1, 6000), min_size=1, max_size=24))
+def test_shared_cores_planner(lens):
+    """On shared cores the plans stay valid, the estimate never drops below the certified bound or the
+    work bound, the planner never loses to a static plan, and the unbounded MILP never to greedy."""
+    cluster, cost = _shared_cpu(2.2)
+    plan = plan_batch(lens, cluster, cost, time_limit=None)
+    plan.validate(lens, cluster, cost)
+    w = sum(1e-5 * s + 1e-8 * s * s for s in lens)
+    assert plan.estimated_time >= cluster.work_scale() * w * (1 - 1e-9)
+    assert plan.bound is None or plan.estimated_time >= plan.bound * (1 - 1e-9)
+    assert plan.estimated_time <= best_static_plan(lens, cluster, cost).estimated_time * (1 + 1e-9)
+    greedy = plan_batch(lens, cluster, cost, solver="greedy")
+    assert plan.estimated_time <= greedy.estimated_time * (1 + 1e-9)

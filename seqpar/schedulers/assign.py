@@ -4,6 +4,12 @@
 considering at each group size: unsupported ones are dropped and so are those another method
 dominates for every batch (:meth:`GroupCoeffs.dominates`), ties going to the earlier method. All
 times here are for a group's packed batch, given its token sums ``S1 = Σs`` and ``S2 = Σs²``.
+
+Ranks sharing CPU cores (:attr:`ClusterSpec.shares_cores`): a group's time is its time with only
+its own ranks computing, and a plan takes at least its total compute over the cores
+(:meth:`Table.plan_time`): a rank whose group finished, or that waits for a message, leaves its
+core to the others, so one long document on one rank runs at full speed once the rest is done.
+On GPUs the work term is 0.
 """
 
 from __future__ import annotations
@@ -31,16 +37,21 @@ class Table:
         self.memory = float(cluster.memory_per_rank)
         self.sizes: list[int] = []
         self.options: list[list[tuple[str, GroupCoeffs]]] = []  # per size index
+        self.shared = cluster.shares_cores
+        work_scale = cluster.work_scale()
+        works = []  # per size index and option: (const, lin, quad) of its work, in plan seconds
         for d in cluster.group_sizes():
-            cands = [(m, cost_model.group_coeffs(m, d, cluster)) for m in self.methods if cost_model.supports(m, d)]
+            cands = [(m, self.coeffs(m, d)) for m in self.methods if cost_model.supports(m, d)]
             if d == 1:  # one rank communicates nothing: every method is plain local attention there,
                 cands = cands[:1]  # so label it with the first (preferred) method
-            kept = [(m, c) for i, (m, c) in enumerate(cands)
-                    if not any(o.dominates(c) and (j < i or not c.dominates(o)) for j, (_, o) in enumerate(cands)
-                               if j != i)]
+            kept = [(m, c) for i, (m, c) in enumerate(cands)  # (work differs: keep all on shared cores)
+                    if self.shared or not any(o.dominates(c) and (j < i or not c.dominates(o))
+                                              for j, (_, o) in enumerate(cands) if j != i)]
             if kept:
                 self.sizes.append(d)
                 self.options.append(kept)
+                works.append([tuple(d * work_scale * x for x in cost_model.compute_coeffs(m, d))
+                              for m, _ in kept])
         if not self.sizes:
             raise ValueError(f"methods={list(self.methods)}: none of them can run on this cluster")
         self.size_index = {d: k for k, d in enumerate(self.sizes)}
@@ -49,12 +60,17 @@ class Table:
         width = max(len(o) for o in self.options)
         shape = (len(self.sizes), width)
         arrays = {n: np.full(shape, INF if n in ("const", "mem_const") else 0.0)
-                  for n in ("const", "lin", "quad", "overlap", "mem_const", "mem_lin")}
+                  for n in ("const", "lin", "quad", "overlap", "mem_const", "mem_lin", "wconst", "wlin", "wquad")}
         for k, opts in enumerate(self.options):
             for j, (_, c) in enumerate(opts):
-                for n, a in arrays.items():
-                    a[k, j] = getattr(c, n)
+                for n in ("const", "lin", "quad", "overlap", "mem_const", "mem_lin"):
+                    arrays[n][k, j] = getattr(c, n)
+                arrays["wconst"][k, j], arrays["wlin"][k, j], arrays["wquad"][k, j] = works[k][j]
         self.arr = arrays
+
+    def coeffs(self, method: str, d: int) -> GroupCoeffs:
+        """Coefficients of a group's own time: only its d ranks computing when ranks share cores."""
+        return self.cost_model.group_coeffs(method, d, self.cluster, active_ranks=d if self.shared else None)
 
     def best(self, k: int, s1: float, s2: float) -> tuple[float, int]:
         """(time, option index) of the fastest method at size index ``k`` that fits memory."""
@@ -72,11 +88,44 @@ class Table:
 
     def best_many(self, k: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`best` times for size indices ``k`` and sums ``s1``, ``s2`` (same shape)."""
+        return self.best_and_work(k, s1, s2)[0]
+
+    def best_and_work(self, k: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(:meth:`best_many` times, the work those fastest methods add to the plan's work bound)."""
         a = self.arr
         s1e, s2e = s1[..., None], s2[..., None]
         t = a["const"][k] + a["lin"][k] * s1e + np.maximum(a["quad"][k] * s2e, a["overlap"][k] * s1e)
         t = np.where(a["mem_const"][k] + a["mem_lin"][k] * s1e > self.memory, INF, t)
-        return np.where(s1 > 0, t.min(axis=-1), 0.0)
+        busy = s1 > 0
+        if not self.shared:
+            return np.where(busy, t.min(axis=-1), 0.0), np.zeros(np.shape(s1))
+        j = t.argmin(axis=-1)[..., None]
+        w = (np.take_along_axis(a["wconst"][k], j, -1) + np.take_along_axis(a["wlin"][k], j, -1) * s1e
+             + np.take_along_axis(a["wquad"][k], j, -1) * s2e)[..., 0]
+        return np.where(busy, t.min(axis=-1), 0.0), np.where(busy, w, 0.0)
+
+    def plan_time(self, assign: "Assignment", lens: np.ndarray) -> float:
+        """Modelled step time of an assignment: its slowest group, and on shared cores at least the
+        plan's total compute over the cores (:meth:`ClusterSpec.work_scale`)."""
+        s1, s2 = group_sums(assign, lens)
+        t, w = self.best_and_work(self._size_idx(assign), s1, s2)
+        return float(max(t.max(initial=0.0), w.sum()))
+
+    def plan_parts(self, assign: "Assignment", lens: np.ndarray) -> tuple[float, float]:
+        """:meth:`plan_time` as ``(attention, rest)``: :meth:`GroupCoeffs.parts` of the slowest group,
+        or, when the work bound binds, its attention and other compute."""
+        s1, s2 = group_sums(assign, lens)
+        k = self._size_idx(assign)
+        t, w = self.best_and_work(k, s1, s2)
+        choice = [max(self.best(int(kk), x, y)[1], 0) for kk, x, y in zip(k, s1, s2)]
+        g = int(np.argmax(t))
+        if w.sum() > t[g]:
+            attn = float(np.sum(np.where(s1 > 0, self.arr["wquad"][k, choice] * s2, 0.0)))
+            return attn, float(w.sum()) - attn
+        return self.options[k[g]][choice[g]][1].parts(s1[g], s2[g])
+
+    def _size_idx(self, assign: "Assignment") -> np.ndarray:
+        return np.array([self.size_index[d] for _, d in assign.groups], dtype=np.int64)
 
     def single(self, lens: np.ndarray) -> np.ndarray:
         """Time of each sequence alone on a group of each size: array [n, len(sizes)] (inf: no fit)."""
@@ -180,14 +229,15 @@ def refine(table: Table, assign: Assignment, lens: np.ndarray, *, max_iters: int
     Moves are tried to every group; swaps with the members of the ``swap_partners`` least loaded
     groups (bounding a step to O(|slowest group| · n) work).
     A move/swap is taken only when the larger of the two touched groups' new times is below the
-    slowest group's current time, so the makespan never grows.
+    slowest group's current time, so the makespan never grows; on shared cores also the plan's
+    total work must stay below it (:meth:`Table.plan_time` never grows).
     """
     owner = assign.owner.copy()
     k_of = np.array([table.size_index[d] for _, d in assign.groups], dtype=np.int64)
     G = len(assign.groups)
     s1 = np.bincount(owner, weights=lens, minlength=G)
     s2 = np.bincount(owner, weights=lens * lens, minlength=G)
-    times = table.best_many(k_of, s1, s2)
+    times, works = table.best_and_work(k_of, s1, s2)
     sq = lens * lens
     for _ in range(max_iters):
         if deadline is not None and _time.perf_counter() > deadline:
@@ -197,17 +247,21 @@ def refine(table: Table, assign: Assignment, lens: np.ndarray, *, max_iters: int
         items = np.flatnonzero(owner == gs)
         if len(items) == 0 or G == 1:
             break
+        total = works.sum()
         # moves: item i of gs -> group h
-        new_src = table.best_many(np.full(len(items), k_of[gs]), s1[gs] - lens[items], s2[gs] - sq[items])
+        new_src, w_src = table.best_and_work(np.full(len(items), k_of[gs]), s1[gs] - lens[items],
+                                             s2[gs] - sq[items])
         dst_s1 = s1[None, :] + lens[items, None]
         dst_s2 = s2[None, :] + sq[items, None]
-        new_dst = table.best_many(np.broadcast_to(k_of, dst_s1.shape), dst_s1, dst_s2)
+        new_dst, w_dst = table.best_and_work(np.broadcast_to(k_of, dst_s1.shape), dst_s1, dst_s2)
         worst = np.maximum(new_src[:, None], new_dst)
+        if table.shared:
+            worst = np.maximum(worst, total - works[gs] - works[None, :] + w_src[:, None] + w_dst)
         worst[:, gs] = INF
         a, h = np.unravel_index(int(np.argmin(worst)), worst.shape)
         if worst[a, h] < cur * (1 - 1e-12):
             i = items[a]
-            _apply(owner, s1, s2, times, table, k_of, lens, sq, i, gs, h)
+            _apply(owner, s1, s2, times, works, table, k_of, lens, sq, i, gs, h)
             continue
         # swaps: item i of gs <-> item j of one of the least loaded groups, s_j < s_i
         partners = np.argsort(times)[:swap_partners]
@@ -216,46 +270,54 @@ def refine(table: Table, assign: Assignment, lens: np.ndarray, *, max_iters: int
             break
         delta1 = lens[items, None] - lens[None, others]
         delta2 = sq[items, None] - sq[None, others]
-        src = table.best_many(np.full(delta1.shape, k_of[gs]), s1[gs] - delta1, s2[gs] - delta2)
+        src, w_src = table.best_and_work(np.full(delta1.shape, k_of[gs]), s1[gs] - delta1, s2[gs] - delta2)
         ho = owner[others]
-        dst = table.best_many(np.broadcast_to(k_of[ho], delta1.shape), s1[ho][None, :] + delta1,
-                              s2[ho][None, :] + delta2)
-        worst = np.where(delta1 > 0, np.maximum(src, dst), INF)
+        dst, w_dst = table.best_and_work(np.broadcast_to(k_of[ho], delta1.shape), s1[ho][None, :] + delta1,
+                                         s2[ho][None, :] + delta2)
+        worst = np.maximum(src, dst)
+        if table.shared:
+            worst = np.maximum(worst, total - works[gs] - works[ho][None, :] + w_src + w_dst)
+        worst = np.where(delta1 > 0, worst, INF)
         a, b = np.unravel_index(int(np.argmin(worst)), worst.shape)
         if not worst[a, b] < cur * (1 - 1e-12):
             break
         i, j = items[a], others[b]
         h = int(owner[j])
-        _apply(owner, s1, s2, times, table, k_of, lens, sq, i, gs, h)
-        _apply(owner, s1, s2, times, table, k_of, lens, sq, j, h, gs)
+        _apply(owner, s1, s2, times, works, table, k_of, lens, sq, i, gs, h)
+        _apply(owner, s1, s2, times, works, table, k_of, lens, sq, j, h, gs)
     return Assignment(assign.groups, owner)
 
 
-def _apply(owner, s1, s2, times, table, k_of, lens, sq, i, src, dst) -> None:
-    """Move sequence i from group src to dst, updating the sums and the two groups' times."""
+def _apply(owner, s1, s2, times, works, table, k_of, lens, sq, i, src, dst) -> None:
+    """Move sequence i from group src to dst, updating the sums and the two groups' times and work."""
     owner[i] = dst
     for g, sign in ((src, -1.0), (dst, 1.0)):
         s1[g] += sign * lens[i]
         s2[g] += sign * sq[i]
-        times[g] = table.best(int(k_of[g]), max(s1[g], 0.0), max(s2[g], 0.0))[0]
+        t, w = table.best_and_work(k_of[g:g + 1], np.maximum(s1[g:g + 1], 0.0), np.maximum(s2[g:g + 1], 0.0))
+        times[g], works[g] = t[0], w[0]
 
 
 def to_plan(table: Table, assign: Assignment, lens: np.ndarray, *, solver: str, started: float,
             fixed_method: str | None = None, bound: float | None = None, notes: str = "") -> Plan:
-    """Freeze an assignment into a :class:`Plan`, picking each group's fastest fitting method."""
+    """Freeze an assignment into a :class:`Plan`, picking each group's fastest fitting method; its
+    estimated time is :meth:`Table.plan_time` (with ``fixed_method``: that method's)."""
     out = []
     s1, s2 = group_sums(assign, lens)
+    work, scale = 0.0, table.cluster.work_scale()
     for g, (start, d) in enumerate(assign.groups):
         seqs = np.flatnonzero(assign.owner == g)
         seqs = tuple(int(i) for i in seqs[np.argsort(-lens[seqs], kind="stable")])
         k = table.size_index[d]
         if fixed_method is not None:
-            c = table.cost_model.group_coeffs(fixed_method, d, table.cluster)
-            t, method = c.time(s1[g], s2[g]), fixed_method
+            t, method = table.coeffs(fixed_method, d).time(s1[g], s2[g]), fixed_method
         else:
             t, j = table.best(k, s1[g], s2[g])
             method = table.options[k][max(j, 0)][0]
+        if table.shared and s1[g] > 0:
+            const, lin, quad = table.cost_model.compute_coeffs(method, d)
+            work += d * scale * (const + lin * s1[g] + quad * s2[g])
         out.append(GroupPlan(start=start, size=d, method=method, seqs=seqs, estimated_time=float(t)))
-    makespan = max((g.estimated_time for g in out), default=0.0)
+    makespan = max([g.estimated_time for g in out] + [work])
     return Plan(world_size=table.cluster.world_size, groups=tuple(out), estimated_time=float(makespan),
                 solver=solver, solve_time=_time.perf_counter() - started, bound=bound, notes=notes)

@@ -297,9 +297,11 @@ def measure_group_scales(run, cluster: ClusterSpec, cost: CostModel, methods: Se
     ``cluster``'s world, sequences balanced over them) for every method that can run on g ranks
     (g = 1 once, for all methods), executed by ``run(phase_plans, ...)`` on the world's ranks and
     timed (median of the slowest rank). Each row keeps the measured time and the modelled parts
-    ``A`` (attention) and ``R`` (the rest) of the plan's slowest group under ``cost`` without group
-    scales; :func:`fit_group_scale` turns a (method, g)'s rows into its factors.
+    ``A`` (attention) and ``R`` (the rest) of the plan's time under ``cost`` without group scales
+    (:meth:`.assign.Table.plan_parts`: the slowest group, or on shared cores the plan's work bound
+    when that binds); :func:`fit_group_scale` turns a (method, g)'s rows into its factors.
     """
+    from .assign import Assignment, Table
     from .greedy import static_plan
 
     cost = cost.without_group_scales()
@@ -309,9 +311,11 @@ def measure_group_scales(run, cluster: ClusterSpec, cost: CostModel, methods: Se
         plans = [static_plan(lens, cluster, g, m, cost) for m in todo]
         res = run(phase_plans, [p.to_json() for p in plans], lens, shape, seed, warmup, repeats)
         for m, p, (times, _) in zip(todo, plans, res):
-            gc = cost.group_coeffs(m, g, cluster)
-            a, r = max((gc.parts(sum(lens[i] for i in grp.seqs), sum(lens[i] ** 2 for i in grp.seqs))
-                        for grp in p.groups), key=sum)
+            owner = np.empty(len(lens), dtype=np.int64)
+            for index, grp in enumerate(p.groups):
+                owner[list(grp.seqs)] = index
+            a, r = Table(cluster, cost, [m]).plan_parts(Assignment([(x.start, x.size) for x in p.groups], owner),
+                                                        np.asarray(lens, dtype=np.float64))
             measured = float(np.median(times))
             rows.append({"method": m, "group_size": g, "tokens": sum(lens), "measured_s": measured,
                          "modelled_s": a + r, "attn_s": a, "rest_s": r, "ratio": measured / (a + r)})

@@ -207,6 +207,22 @@ class ClusterSpec:
             return table[m] * max(1.0, k / (max(m, self.cores) if self.cores else m))
         return max(1.0, k / self.cores) if self.cores else 1.0
 
+    @property
+    def shares_cores(self) -> bool:
+        """True when more ranks of a node compute at once than it has :attr:`cores` (CPU ranks)."""
+        return bool(self.cores) and min(self.world_size, self.ranks_per_node) > self.cores
+
+    def work_scale(self) -> float:
+        """Plan time per rank-second of single-rank compute when ranks share cores (0 otherwise).
+
+        A plan on shared cores takes at least its total work over the cores, times the contention a
+        full node adds beyond time sharing: ``compute_slowdown(k) / (k / cores)`` for k ranks a node.
+        """
+        if not self.shares_cores:
+            return 0.0
+        k = min(self.world_size, self.ranks_per_node)
+        return self.compute_slowdown(k) / (k / self.cores) / (self.cores * self.num_nodes)
+
     def with_world_size(self, world_size: int) -> "ClusterSpec":
         """The same machine with another number of ranks (validated like the constructor)."""
         return replace(self, world_size=world_size)

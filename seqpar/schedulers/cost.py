@@ -270,16 +270,15 @@ class CostModel:
         return soft or self.method_names
 
     # ----------------------------------------------------------------------------- model
-    def group_coeffs(self, method: str, group_size: int, cluster: ClusterSpec) -> GroupCoeffs:
+    def group_coeffs(self, method: str, group_size: int, cluster: ClusterSpec,
+                     active_ranks: int | None = None) -> GroupCoeffs:
         """Time and memory coefficients of ``method`` on an aligned group of ``group_size`` ranks.
 
-        Compute (alpha2, beta1) is multiplied by ``cluster.compute_slowdown()`` (ranks sharing cores;
-        1 on GPUs) and the attention term by :func:`attention_factor` (imbalance and core sharing).
-        Of the communication a method overlaps, the fraction ``cluster.overlap_factor`` hides under
-        the attention compute and the rest adds up. A calibrated :attr:`MethodCost.group_scale`
-        multiplies ``quad`` and ``overlap`` by its k_attn and ``const`` and ``lin`` by its k_rest;
-        :attr:`MethodCost.kernel_scale` multiplies ``quad``.
-        Raises ValueError when the method cannot run at this size (see :meth:`supports`).
+        Compute is :meth:`compute_coeffs` at ``cluster.compute_slowdown(active_ranks)`` (ranks sharing
+        cores, default all; 1 on GPUs). Of the communication a method overlaps, the fraction
+        ``cluster.overlap_factor`` hides under the attention compute and the rest adds up;
+        :attr:`MethodCost.group_scale` multiplies ``overlap`` by its k_attn, communication in ``const``
+        and ``lin`` by its k_rest. Raises ValueError when the method cannot run at this size.
         """
         c = self.coeffs(method)
         d = group_size
@@ -288,15 +287,23 @@ class CostModel:
         if not self.supports(method, d):
             raise ValueError(f"group_size={d}: ulysses needs n_heads={self.n_heads} divisible by the group size; "
                              f"use usp (Ulysses inside a node, ring across) for larger groups")
-        slow = cluster.compute_slowdown()
         lin_comm, overlap, const_comm = self._comm_terms(method, d, cluster)
         s, o = c.comm_scale, cluster.overlap_factor
         ka, kr = c.scale(d)
-        return GroupCoeffs(const=kr * (slow * c.beta1 + s * const_comm),
-                           lin=kr * (slow * c.alpha2 / d + s * (lin_comm + (1 - o) * overlap)),
-                           quad=ka * c.kernel(d) * c.alpha1 * attention_factor(method, d, slow) / d,
+        const, lin, quad = self.compute_coeffs(method, d, cluster.compute_slowdown(active_ranks))
+        return GroupCoeffs(const=const + kr * s * const_comm, lin=lin + kr * s * (lin_comm + (1 - o) * overlap),
+                           quad=quad,
                            overlap=ka * s * o * overlap,
                            mem_const=c.m_model, mem_lin=c.m_token / d + (c.m_token_full if d > 1 else 0.0))
+
+    def compute_coeffs(self, method: str, group_size: int, slowdown: float = 1.0) -> tuple[float, float, float]:
+        """``(const, lin, quad)`` of one rank's compute in a group (no communication): β1, α2/d and
+        α1·:func:`attention_factor`/d times ``slowdown``, with the k_rest / k_attn of
+        :attr:`MethodCost.group_scale` and :attr:`MethodCost.kernel_scale` on attention."""
+        c, d = self.coeffs(method), group_size
+        ka, kr = c.scale(d)
+        return (kr * slowdown * c.beta1, kr * slowdown * c.alpha2 / d,
+                ka * c.kernel(d) * c.alpha1 * attention_factor(method, d, slowdown) / d)
 
     def comm_parts(self, method: str, d: int, cluster: ClusterSpec) -> tuple[list[tuple], float]:
         """Communication of one step, all layers, fwd+bwd, per rank of a group of ``d``.

@@ -143,7 +143,7 @@ def greedy_assignment(table: Table, lens: np.ndarray, *, refine_time: float = 0.
     best, best_t = None, math.inf
     for groups, fixed in runs:
         a = lpt_assign(table, lens, groups, fixed=fixed)
-        t = float(group_times(table, a, lens).max())
+        t = table.plan_time(a, lens)
         if t < best_t:
             best, best_t = a, t
     # Every other static layout whose lower bound could beat the best so far (the time of a group is
@@ -165,7 +165,7 @@ def greedy_assignment(table: Table, lens: np.ndarray, *, refine_time: float = 0.
             if max(c.time(s1 / per, s2 / per), c.time(longest, longest * longest)) >= best_t:
                 continue
             a = lpt_assign(table, lens, layout([d] * per), fixed=c)
-            t = float(group_times(table, a, lens).max())
+            t = table.plan_time(a, lens)
             if t < best_t:
                 best, best_t = a, t
     if best is not None and math.isfinite(best_t):
@@ -229,7 +229,7 @@ def _layout_search(table: Table, lens: np.ndarray, best: Assignment, best_t: flo
                 continue
             seen.add(key)
             a = lpt_assign(table, lens, cand)
-            t = float(group_times(table, a, lens).max())
+            t = table.plan_time(a, lens)
             if t < best_t * (1 - 1e-9) and (step is None or t < step[1]):
                 step = (a, t)
         if step is None:
@@ -258,7 +258,7 @@ def static_plan(seq_lens: Sequence[int], cluster: ClusterSpec, sp_degree: int, m
     cm = table.cost_model
     if not cm.supports(method, sp_degree):
         raise ValueError(f"method={method!r} cannot run with sp_degree={sp_degree} (n_heads={cm.n_heads})")
-    coeffs = cm.group_coeffs(method, sp_degree, cluster)
+    coeffs = table.coeffs(method, sp_degree)
     groups = layout([sp_degree] * (cluster.world_size // sp_degree))
     if sp_degree not in table.size_index:  # only possible if the table dropped the size: rebuild
         raise ValueError(f"sp_degree={sp_degree}: method {method!r} is unavailable at this size")

@@ -10,7 +10,8 @@ Variables: ``y_g`` binary for every candidate group g = (aligned block, method);
 the number of bucket-b sequences group g runs; ``C`` the makespan. Constraints: every rank covered
 by exactly one selected block; every bucket's count placed; ``n_bg ≤ cap_bg·y_g``; memory of each
 group; ``C ≥ const·y_g + Σ_b n_bg·(lin·ℓ_b + quad·ℓ_b²)`` and ``C ≥ const·y_g + Σ_b n_bg·(lin +
-overlap)·ℓ_b`` (the max of the cost model, exact because it is minimised); and, to break the
+overlap)·ℓ_b`` (the max of the cost model, exact because it is minimised); on ranks sharing CPU
+cores one more row, ``C ≥ Σ_g work_g`` (:meth:`.assign.Table.plan_time`); and, to break the
 symmetry of equal blocks, sizes non-increasing from rank 0 (any multiset of power-of-two sizes can
 be placed that way, so no plan is lost). An empty selected group is charged its constant, which
 never binds: every busy group costs at least the smallest constant.
@@ -186,6 +187,10 @@ def solve_milp(table: Table, buckets: Buckets, *, upper: float | None,
     for per in ((per_a, per_b) if np.any(co["overlap"] > 0) else (per_a,)):
         block(np.concatenate([pg, ag, ag]), np.concatenate([G + ar, ag, np.full(G, iC)]),
               np.concatenate([per[pg, pb], co["const"], -np.ones(G)]), -np.inf, 0.0, G)
+    if table.shared:  # ranks sharing cores: the plan's total work over the cores - C <= 0, one row
+        per_w = co["wlin"][:, None] * buckets.mean + co["wquad"][:, None] * buckets.mean_sq
+        block(np.zeros(G + P + 1, dtype=np.int64), np.concatenate([ag, G + ar, [iC]]),
+              np.concatenate([co["wconst"], per_w[pg, pb], [-1.0]]), -np.inf, 0.0, 1)
     # symmetry: the rank before a block of size d lies in a selected block of size >= d
     sym_r, sym_c, sym_v = [], [], []
     n_sym = 0

@@ -49,7 +49,8 @@ class Plan:
     Attributes:
         world_size: ranks the plan covers.
         groups: the groups, ordered by start rank; they partition the ranks.
-        estimated_time: modelled step time (the slowest group), seconds.
+        estimated_time: modelled step time (the slowest group; where ranks share CPU cores, at
+            least the plan's total work over the cores), seconds.
         solver: what produced it (``"milp"``, ``"greedy"``, ``"static"``, ...).
         solve_time: wall seconds spent planning.
         bound: a proven lower bound on the optimal step time of this batch under the cost model

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .assign import Assignment, Table, group_times, refine, to_plan
+from .assign import Assignment, Table, refine, to_plan
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .greedy import greedy_assignment, setup
@@ -63,7 +63,7 @@ def _plan(lens: np.ndarray, table: Table, started: float, time_limit: float | No
           num_buckets: int, mip_gap: float) -> Plan:
     budget = math.inf if time_limit is None else float(time_limit)
     greedy = greedy_assignment(table, lens, refine_time=min(0.05, 0.2 * budget))
-    greedy_t = float(group_times(table, greedy, lens).max())
+    greedy_t = table.plan_time(greedy, lens)
     bound = _lower_bound(table, bucketize(lens, (1.0, 0.0), len(lens)))  # exact lengths: a true bound
     if solver == "greedy":
         return to_plan(table, greedy, lens, solver="greedy", started=started, bound=bound)
@@ -89,7 +89,7 @@ def _plan(lens: np.ndarray, table: Table, started: float, time_limit: float | No
     assign = _decode(table, res, lens, buckets.bucket_of)
     left = None if time_limit is None else started + budget
     assign = refine(table, assign, lens, deadline=left)
-    milp_t = float(group_times(table, assign, lens).max())
+    milp_t = table.plan_time(assign, lens)
     note = (f"MILP status {res.status}: {res.message}; bucketed objective {res.objective:.6g}, "
             f"bucketed dual bound {res.bound}")
     if milp_t <= greedy_t:
@@ -106,27 +106,30 @@ def _bucketed_makespan(table: Table, assign: Assignment, buckets: Buckets) -> fl
     s1 = np.bincount(assign.owner, weights=buckets.mean[b], minlength=G)
     s2 = np.bincount(assign.owner, weights=buckets.mean_sq[b], minlength=G)
     s1max = np.bincount(assign.owner, weights=buckets.longest[b], minlength=G)
-    worst = 0.0
+    worst, work, a = 0.0, 0.0, table.arr
     for g, (_, d) in enumerate(assign.groups):
         if s1[g] <= 0:
             continue
         k = table.size_index[d]
-        t = min((c.time(s1[g], s2[g]) for _, c in table.options[k] if c.memory(s1max[g]) <= table.memory),
-                default=math.inf)
+        t, j = min(((c.time(s1[g], s2[g]), j) for j, (_, c) in enumerate(table.options[k])
+                    if c.memory(s1max[g]) <= table.memory), default=(math.inf, -1))
         if not math.isfinite(t):
             return None
         worst = max(worst, t)
-    return worst * (1 + 1e-9)
+        work += a["wconst"][k, j] + a["wlin"][k, j] * s1[g] + a["wquad"][k, j] * s2[g]
+    return max(worst, work) * (1 + 1e-9)
 
 
 def _lower_bound(table: Table, buckets: Buckets) -> float:
-    """A valid lower bound on the bucketed makespan: the longest single job, and total work / ranks."""
+    """A valid lower bound on the bucketed makespan: the longest single job, total work / ranks, and
+    on shared cores the plan's work bound (see :meth:`Table.plan_time`)."""
     counts = buckets.counts
     alone = np.full(len(counts), math.inf)
     work_a = np.full(len(counts), math.inf)
     work_b = np.full(len(counts), math.inf)
+    cores = np.full(len(counts), math.inf)
     for k, d in enumerate(table.sizes):
-        for _, c in table.options[k]:
+        for j, (_, c) in enumerate(table.options[k]):
             fits = c.mem_const + c.mem_lin * buckets.longest <= table.memory
             a = c.lin * buckets.mean + c.quad * buckets.mean_sq
             b = (c.lin + c.overlap) * buckets.mean
@@ -134,8 +137,11 @@ def _lower_bound(table: Table, buckets: Buckets) -> float:
             alone = np.where(fits, np.minimum(alone, t), alone)
             work_a = np.where(fits, np.minimum(work_a, d * a), work_a)
             work_b = np.where(fits, np.minimum(work_b, d * b), work_b)
+            w = table.arr["wlin"][k, j] * buckets.mean + table.arr["wquad"][k, j] * buckets.mean_sq
+            cores = np.where(fits, np.minimum(cores, w), cores)
     n = table.cluster.world_size
-    return float(max(alone.max(), (counts * work_a).sum() / n, (counts * work_b).sum() / n))
+    return float(max(alone.max(), (counts * work_a).sum() / n, (counts * work_b).sum() / n,
+                     (counts * cores).sum()))
 
 
 def _decode(table: Table, res, lens: np.ndarray, bucket_of: np.ndarray) -> Assignment:
