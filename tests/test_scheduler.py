@@ -385,9 +385,9 @@ def _shared_cpu(slowdown4: float = 2.0):
 
 
 def test_shared_cores_plan_time_by_hand():
-    """On shared cores a plan takes max(its slowest group alone, its total compute / the cores): the
-    rank with one long document runs at full speed once the others are done, instead of at half
-    speed all along (what the per-group model with every rank busy said)."""
+    """On shared cores a plan takes max(its slowest group alone, the time the cores need for every
+    rank's compute shared fairly): the rank with one long document runs at full speed once the
+    others are done, instead of at half speed all along."""
     cluster, cost = _shared_cpu()
     # no contention beyond time sharing (slowdown 2 = 4 ranks / 2 cores): 1 / 2 cores
     assert cluster.shares_cores and cluster.work_scale() == pytest.approx(0.5)
@@ -395,8 +395,17 @@ def test_shared_cores_plan_time_by_hand():
     lens = [4000, 500, 500, 500]
     p = static_plan(lens, cluster, 1, "ulysses", cost)
     assert sorted(g.seqs for g in p.groups) == [(0,), (1,), (2,), (3,)]
-    assert p.estimated_time == pytest.approx(max(w(4000), sum(map(w, lens)) / 2))  # = w(4000) here
-    assert p.estimated_time == pytest.approx(w(4000))
+    # processor sharing: 4 busy ranks at half speed until the three short ones are done (each has
+    # w(500) of compute), then the long one alone at full speed; the model of every rank busy all
+    # along said 2 x w(4000)
+    assert p.estimated_time == pytest.approx(w(500) / 0.5 + (w(4000) - w(500)))
+    assert cluster.shared_makespan([w(4000), w(500), w(500), w(500)]) == pytest.approx(p.estimated_time)
+    assert cluster.shared_makespan([w(4000), 0, 0, 0]) == pytest.approx(w(4000))
+    with pytest.raises(ValueError, match="rank_work"):
+        cluster.shared_makespan([1.0, 2.0])
+    two_nodes = ClusterSpec(world_size=8, ranks_per_node=4, cores=2)  # nodes do not share cores
+    assert two_nodes.shared_makespan([1, 1, 1, 1, 3, 0, 0, 0]) == pytest.approx(3.0)
+    assert two_nodes.shared_makespan([1, 1, 1, 1, 1, 0, 0, 0]) == pytest.approx(2.0)
     # balanced: the cores bind, as with the per-group model and all ranks busy
     even = [2000] * 8
     q = static_plan(even, cluster, 1, "ulysses", cost)

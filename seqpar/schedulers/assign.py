@@ -6,10 +6,12 @@ dominates for every batch (:meth:`GroupCoeffs.dominates`), ties going to the ear
 times here are for a group's packed batch, given its token sums ``S1 = Σs`` and ``S2 = Σs²``.
 
 Ranks sharing CPU cores (:attr:`ClusterSpec.shares_cores`): a group's time is its time with only
-its own ranks computing, and a plan takes at least its total compute over the cores
-(:meth:`Table.plan_time`): a rank whose group finished, or that waits for a message, leaves its
-core to the others, so one long document on one rank runs at full speed once the rest is done.
-On GPUs the work term is 0.
+its own ranks computing, and a plan takes at least the time the node's cores need for all its
+ranks' compute, shared fairly (:meth:`ClusterSpec.shared_makespan`; :meth:`Table.plan_time`): a
+rank whose group finished, or that waits for a message, leaves its core to the others, so one long
+document on one rank runs at full speed once the rest is done. The MILP and the local search use
+the linear relaxation of that bound (total compute over all cores, the ``w*`` arrays, which hold
+each option's per-rank compute x d x :meth:`ClusterSpec.work_scale`). On GPUs these terms are 0.
 """
 
 from __future__ import annotations
@@ -106,22 +108,26 @@ class Table:
 
     def plan_time(self, assign: "Assignment", lens: np.ndarray) -> float:
         """Modelled step time of an assignment: its slowest group, and on shared cores at least the
-        plan's total compute over the cores (:meth:`ClusterSpec.work_scale`)."""
-        s1, s2 = group_sums(assign, lens)
-        t, w = self.best_and_work(self._size_idx(assign), s1, s2)
-        return float(max(t.max(initial=0.0), w.sum()))
+        time the cores need for every rank's compute (:meth:`ClusterSpec.shared_makespan`)."""
+        return sum(self.plan_parts(assign, lens)) if self.shared else float(
+            self.best_many(self._size_idx(assign), *group_sums(assign, lens)).max(initial=0.0))
 
     def plan_parts(self, assign: "Assignment", lens: np.ndarray) -> tuple[float, float]:
         """:meth:`plan_time` as ``(attention, rest)``: :meth:`GroupCoeffs.parts` of the slowest group,
-        or, when the work bound binds, its attention and other compute."""
+        or, when the shared cores bind, that time split as the plan's compute is (attention vs rest)."""
         s1, s2 = group_sums(assign, lens)
         k = self._size_idx(assign)
         t, w = self.best_and_work(k, s1, s2)
         choice = [max(self.best(int(kk), x, y)[1], 0) for kk, x, y in zip(k, s1, s2)]
         g = int(np.argmax(t))
-        if w.sum() > t[g]:
-            attn = float(np.sum(np.where(s1 > 0, self.arr["wquad"][k, choice] * s2, 0.0)))
-            return attn, float(w.sum()) - attn
+        if self.shared:
+            per_rank = np.zeros(self.cluster.world_size)
+            for (start, d), work in zip(assign.groups, w):
+                per_rank[start:start + d] = work / (d * self.cluster.work_scale())
+            cores = self.cluster.shared_makespan(per_rank)
+            if cores > t[g]:
+                attn = float(np.sum(np.where(s1 > 0, self.arr["wquad"][k, choice] * s2, 0.0)))
+                return cores * attn / w.sum(), cores * (1 - attn / w.sum())
         return self.options[k[g]][choice[g]][1].parts(s1[g], s2[g])
 
     def _size_idx(self, assign: "Assignment") -> np.ndarray:
@@ -230,7 +236,7 @@ def refine(table: Table, assign: Assignment, lens: np.ndarray, *, max_iters: int
     groups (bounding a step to O(|slowest group| · n) work).
     A move/swap is taken only when the larger of the two touched groups' new times is below the
     slowest group's current time, so the makespan never grows; on shared cores also the plan's
-    total work must stay below it (:meth:`Table.plan_time` never grows).
+    total work must stay below it, and a step that does not lower :meth:`Table.plan_time` is undone.
     """
     owner = assign.owner.copy()
     k_of = np.array([table.size_index[d] for _, d in assign.groups], dtype=np.int64)
@@ -248,6 +254,7 @@ def refine(table: Table, assign: Assignment, lens: np.ndarray, *, max_iters: int
         if len(items) == 0 or G == 1:
             break
         total = works.sum()
+        before = table.plan_time(Assignment(assign.groups, owner), lens) if table.shared else cur
         # moves: item i of gs -> group h
         new_src, w_src = table.best_and_work(np.full(len(items), k_of[gs]), s1[gs] - lens[items],
                                              s2[gs] - sq[items])
@@ -262,6 +269,9 @@ def refine(table: Table, assign: Assignment, lens: np.ndarray, *, max_iters: int
         if worst[a, h] < cur * (1 - 1e-12):
             i = items[a]
             _apply(owner, s1, s2, times, works, table, k_of, lens, sq, i, gs, h)
+            if _worse(table, assign, owner, lens, before):
+                _apply(owner, s1, s2, times, works, table, k_of, lens, sq, i, h, gs)
+                break
             continue
         # swaps: item i of gs <-> item j of one of the least loaded groups, s_j < s_i
         partners = np.argsort(times)[:swap_partners]
@@ -285,7 +295,16 @@ def refine(table: Table, assign: Assignment, lens: np.ndarray, *, max_iters: int
         h = int(owner[j])
         _apply(owner, s1, s2, times, works, table, k_of, lens, sq, i, gs, h)
         _apply(owner, s1, s2, times, works, table, k_of, lens, sq, j, h, gs)
+        if _worse(table, assign, owner, lens, before):
+            _apply(owner, s1, s2, times, works, table, k_of, lens, sq, j, gs, h)
+            _apply(owner, s1, s2, times, works, table, k_of, lens, sq, i, h, gs)
+            break
     return Assignment(assign.groups, owner)
+
+
+def _worse(table: Table, assign: Assignment, owner: np.ndarray, lens: np.ndarray, before: float) -> bool:
+    """On shared cores: True when the step just taken did not lower the plan's modelled time."""
+    return table.shared and not table.plan_time(Assignment(assign.groups, owner), lens) < before * (1 - 1e-12)
 
 
 def _apply(owner, s1, s2, times, works, table, k_of, lens, sq, i, src, dst) -> None:
@@ -304,7 +323,6 @@ def to_plan(table: Table, assign: Assignment, lens: np.ndarray, *, solver: str, 
     estimated time is :meth:`Table.plan_time` (with ``fixed_method``: that method's)."""
     out = []
     s1, s2 = group_sums(assign, lens)
-    work, scale = 0.0, table.cluster.work_scale()
     for g, (start, d) in enumerate(assign.groups):
         seqs = np.flatnonzero(assign.owner == g)
         seqs = tuple(int(i) for i in seqs[np.argsort(-lens[seqs], kind="stable")])
@@ -314,10 +332,9 @@ def to_plan(table: Table, assign: Assignment, lens: np.ndarray, *, solver: str, 
         else:
             t, j = table.best(k, s1[g], s2[g])
             method = table.options[k][max(j, 0)][0]
-        if table.shared and s1[g] > 0:
-            const, lin, quad = table.cost_model.compute_coeffs(method, d)
-            work += d * scale * (const + lin * s1[g] + quad * s2[g])
         out.append(GroupPlan(start=start, size=d, method=method, seqs=seqs, estimated_time=float(t)))
-    makespan = max([g.estimated_time for g in out] + [work])
+    makespan = max(g.estimated_time for g in out)
+    if table.shared:  # the cores shared by the ranks (fixed_method: the table holds only that method)
+        makespan = max(makespan, table.plan_time(assign, lens))
     return Plan(world_size=table.cluster.world_size, groups=tuple(out), estimated_time=float(makespan),
                 solver=solver, solve_time=_time.perf_counter() - started, bound=bound, notes=notes)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
+import numpy as np
+
 
 def is_power_of_two(n: int) -> bool:
     """True for 1, 2, 4, ... (and False for 0, negatives and non-integers)."""
@@ -213,15 +215,32 @@ class ClusterSpec:
         return bool(self.cores) and min(self.world_size, self.ranks_per_node) > self.cores
 
     def work_scale(self) -> float:
-        """Plan time per rank-second of single-rank compute when ranks share cores (0 otherwise).
+        """``1 / (cores x nodes)`` when ranks share cores, else 0: a plan takes at least its total
+        single-rank compute times this (every core busy all along); :meth:`shared_makespan` is the
+        finer model."""
+        return 1.0 / (self.cores * self.num_nodes) if self.shares_cores else 0.0
 
-        A plan on shared cores takes at least its total work over the cores, times the contention a
-        full node adds beyond time sharing: ``compute_slowdown(k) / (k / cores)`` for k ranks a node.
-        """
+    def shared_makespan(self, rank_work) -> float:
+        """Seconds until every rank is done when ``rank_work[r]`` is rank r's compute alone (seconds)
+        and each node's :attr:`cores` are shared fairly among its busy ranks (processor sharing):
+        with m busy ranks each runs at ``min(1, cores / m)`` of its speed, divided by the measured
+        contention beyond time sharing, ``compute_slowdown(m) / max(1, m / cores)`` (at least 1).
+        A rank that is done (or waits for a message) leaves its share to the others."""
+        work = np.asarray(rank_work, dtype=np.float64)
+        if len(work) != self.world_size:
+            raise ValueError(f"rank_work: expected {self.world_size} entries, got {len(work)}")
         if not self.shares_cores:
-            return 0.0
-        k = min(self.world_size, self.ranks_per_node)
-        return self.compute_slowdown(k) / (k / self.cores) / (self.cores * self.num_nodes)
+            return float(work.max(initial=0.0))
+        worst = 0.0
+        for node in work.reshape(-1, min(self.world_size, self.ranks_per_node)):
+            done, t, busy = 0.0, 0.0, np.sort(node[node > 0])
+            for i, w in enumerate(busy):
+                m = len(busy) - i
+                contention = max(1.0, self.compute_slowdown(m) / max(1.0, m / self.cores))
+                t += (w - done) * contention / min(1.0, self.cores / m)
+                done = w
+            worst = max(worst, t)
+        return worst
 
     def with_world_size(self, world_size: int) -> "ClusterSpec":
         """The same machine with another number of ranks (validated like the constructor)."""
