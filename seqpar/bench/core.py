@@ -294,16 +294,13 @@ def run_cases(cases: list[BenchCase], *, progress: bool = True) -> list[dict]:
     """Run cases on local CPU ranks (spawned, gloo) or, under torchrun, on the launched ranks.
     A case that fails (on any rank, or by timing out) gives a row with ``error`` set; the others run."""
     rows = []
-    under = launched()
+    if launched():
+        from seqpar.comm.groups import launched_process_group
+
+        with launched_process_group():
+            return [run_case_on_rank(case) for case in
+                    _progress(cases, "benchmarking", progress and os.environ.get("RANK", "0") == "0")]
     for case in _progress(cases, "benchmarking", progress and os.environ.get("RANK", "0") == "0"):
-        if under:
-            if not dist.is_initialized():
-                cuda = torch.cuda.is_available()
-                if cuda:
-                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-                dist.init_process_group("nccl" if cuda else "gloo")
-            rows.append(run_case_on_rank(case))
-            continue
         from seqpar.testing import run_distributed
 
         try:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from seqpar.comm.groups import launched_process_group
 from seqpar.testing import launched_by_torchrun, usable_cores
 
 from .hf import IGNORE_INDEX, apply_context_parallel, packed_attention_supported, shard_inputs
@@ -79,16 +80,10 @@ def run(cfg: TrainConfig) -> TrainResult | None:
         packed = packed_attention_supported(cfg.cp_method)
     validate(cfg, world, packed[0])
     if launched_by_torchrun():
-        owned = not dist.is_initialized()
-        if owned:
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        try:
+        with launched_process_group():
             result = _rank_main(cfg, packed)
-        finally:
-            if owned:
-                dist.destroy_process_group()
     elif cfg.nproc > 1:
         from seqpar.testing import get_pool  # a persistent pool of gloo ranks with timeouts
 

@@ -47,6 +47,7 @@ reads its ``cost_model`` part and :func:`load_calibration` both parts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -153,15 +154,10 @@ def load_calibration(path: str | Path) -> tuple[ClusterSpec, CostModel]:
 # ----------------------------------------------------------------------------- driver
 def _runner(nproc: int):
     """(run(fn, *args) -> rank 0's result, world size, is rank 0): spawned pool or launched ranks."""
-    import torch
-
     from seqpar.testing import launched_by_torchrun
 
-    if launched_by_torchrun():  # torchrun: every rank runs every phase
+    if launched_by_torchrun():  # torchrun: every rank runs every phase (the group is the caller's)
         import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
         def run(fn, *args):  # rank 0's result, on every rank (the next phases and the models need it)
             box = [fn(*args)]
@@ -227,38 +223,41 @@ def calibrate(*, nproc: int | None = None, methods: Sequence[str] | None = None,
     shape = (heads, kv_heads, head_dim)
     timed = methods[:1] if quick or share_compute else methods
     mid = sorted(seq_lens)[len(seq_lens) // 2]
-    run, world, rank0 = _runner(nproc)
-    meas: dict = {"shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "layers": layers},
-                  "seq_lens": seq_lens, "repeats": reps, "world_size": world, "timed_methods": timed,
-                  "loadavg_before": _loadavg()}
-    tokens = list(group_tokens) if group_tokens else sorted(seq_lens)[-1 if quick else -2:]
+    from seqpar.comm.groups import launched_process_group
 
-    def overlap():  # a message about as long as the compute it should hide under
-        bw = _fit_links(meas["links"]).get((world, "p2p"), (1e9, 0.0))[0] if world > 1 else 1e9
-        tc = meas["compute"][timed[0]][seq_lens.index(mid)] * meas["core sharing"][world]
-        return run(phase_overlap, methods[0], mid, shape, min(64 << 20, max(64 << 10, bw * tc)), reps)
+    with launched_process_group() if launched else contextlib.nullcontext():
+        run, world, rank0 = _runner(nproc)
+        meas: dict = {"shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "layers": layers},
+                      "seq_lens": seq_lens, "repeats": reps, "world_size": world, "timed_methods": timed,
+                      "loadavg_before": _loadavg()}
+        tokens = list(group_tokens) if group_tokens else sorted(seq_lens)[-1 if quick else -2:]
 
-    def group_steps():  # real packed steps, modelled with everything measured so far
+        def overlap():  # a message about as long as the compute it should hide under
+            bw = _fit_links(meas["links"]).get((world, "p2p"), (1e9, 0.0))[0] if world > 1 else 1e9
+            tc = meas["compute"][timed[0]][seq_lens.index(mid)] * meas["core sharing"][world]
+            return run(phase_overlap, methods[0], mid, shape, min(64 << 20, max(64 << 10, bw * tc)), reps)
+
+        def group_steps():  # real packed steps, modelled with everything measured so far
+            cluster, cost = build_models(meas, methods)
+            batches = [(g, tailed_docs(g * c) * (world // g)) for c in tokens for g in cluster.group_sizes()]
+            return measure_group_scales(run, cluster, cost, methods, batches, shape, reps)[1]
+
+        steps = [("compute", lambda: run(phase_compute, timed, seq_lens, shape, reps)),
+                 ("core sharing", lambda: run(phase_slowdown, methods[0], mid, shape, reps)),
+                 ("links", lambda: run(phase_links, QUICK_MESSAGE_BYTES if quick else DEFAULT_MESSAGE_BYTES, reps)),
+                 ("overlap", overlap), ("memory", lambda: run(phase_memory, methods[0], mid, shape)),
+                 ("kernels", lambda: run(phase_kernels, methods, max(seq_lens), shape,
+                                         [1 << i for i in range(1, world.bit_length())], reps))]
+        if groups:
+            steps.append(("groups", group_steps))
+        from seqpar.testing import progress_track
+
+        for name, fn in progress_track(steps, "calibrate", progress and rank0):
+            meas[name] = fn()
+        meas["loadavg_after"] = _loadavg()
         cluster, cost = build_models(meas, methods)
-        batches = [(g, tailed_docs(g * c) * (world // g)) for c in tokens for g in cluster.group_sizes()]
-        return measure_group_scales(run, cluster, cost, methods, batches, shape, reps)[1]
-
-    steps = [("compute", lambda: run(phase_compute, timed, seq_lens, shape, reps)),
-             ("core sharing", lambda: run(phase_slowdown, methods[0], mid, shape, reps)),
-             ("links", lambda: run(phase_links, QUICK_MESSAGE_BYTES if quick else DEFAULT_MESSAGE_BYTES, reps)),
-             ("overlap", overlap), ("memory", lambda: run(phase_memory, methods[0], mid, shape)),
-             ("kernels", lambda: run(phase_kernels, methods, max(seq_lens), shape,
-                                     [1 << i for i in range(1, world.bit_length())], reps))]
-    if groups:
-        steps.append(("groups", group_steps))
-    from seqpar.testing import progress_track
-
-    for name, fn in progress_track(steps, "calibrate", progress and rank0):
-        meas[name] = fn()
-    meas["loadavg_after"] = _loadavg()
-    cluster, cost = build_models(meas, methods)
-    if out is not None and rank0:
-        save_calibration(out, cluster, cost, measurements=_jsonable(meas), command=command)
+        if out is not None and rank0:
+            save_calibration(out, cluster, cost, measurements=_jsonable(meas), command=command)
     return cluster, cost
 
 
