@@ -96,11 +96,14 @@ def cell(profile, world, data, tpr, count, time_limit, inter_gbps=None):
             adaptive = [plan_batch(lens, cluster, cm, methods, time_limit=time_limit).estimated_time
                         for lens in batches]
             per_batch = [best_static_plan(lens, cluster, cm, methods).estimated_time for lens in batches]
-            packer = [best_static_plan(lens, cluster, cm, methods, balance="tokens").estimated_time
-                      for lens in batches]
         except ValueError as exc:  # e.g. Ulysses alone cannot hold some batch
             print(f"{profile} N={world} {data} {tpr} {set_name}: infeasible ({exc})", flush=True)
             continue
+        try:
+            packer = [best_static_plan(lens, cluster, cm, methods, balance="tokens").estimated_time
+                      for lens in batches]
+        except ValueError:  # token balancing can overfill a group that time balancing does not
+            packer = [float("nan")] * len(batches)
         fixed = fixed_config(batches, cluster, cm, methods)
         a = np.array(adaptive)
         row = {"profile": profile, "world": world, "inter_gbps": cluster.inter_node_bandwidth / 1e9, "data": data,

@@ -118,6 +118,8 @@ class Table:
         s1, s2 = group_sums(assign, lens)
         k = self._size_idx(assign)
         t, w = self.best_and_work(k, s1, s2)
+        if not np.isfinite(t).all():  # some group does not fit memory
+            return math.inf, 0.0
         choice = [max(self.best(int(kk), x, y)[1], 0) for kk, x, y in zip(k, s1, s2)]
         g = int(np.argmax(t))
         if self.shared:
@@ -236,7 +238,8 @@ def refine(table: Table, assign: Assignment, lens: np.ndarray, *, max_iters: int
     groups (bounding a step to O(|slowest group| · n) work).
     A move/swap is taken only when the larger of the two touched groups' new times is below the
     slowest group's current time, so the makespan never grows; on shared cores also the plan's
-    total work must stay below it, and a step that does not lower :meth:`Table.plan_time` is undone.
+    total work must stay below it, and a step that does not lower :meth:`Table.plan_time` is undone
+    and ends the search (the same step would be chosen again).
     """
     owner = assign.owner.copy()
     k_of = np.array([table.size_index[d] for _, d in assign.groups], dtype=np.int64)

@@ -31,21 +31,27 @@ _SUFFIXES = {"k": 1024, "m": 1024 * 1024}
 DEFAULT_WINDOW = 131072
 
 
-
 def parse_length(x, field: str = "seq_lens") -> int:
     """``8192``, ``"8192"``, ``"8k"`` (k = 1024) or ``"1m"`` (m = 1024²) -> int; ValueError naming
     ``field`` otherwise (the command lines' token counts)."""
     text = str(x).strip().lower()
     mult = _SUFFIXES.get(text[-1:], 1)
     try:
-        return int(text[:-1] if mult > 1 else text) * mult
+        value = int(text[:-1] if mult > 1 else text) * mult
     except ValueError:
-        raise ValueError(f"{field}: {x!r} is not a length (an integer, or e.g. '8k' for 8192)") from None
+        value = -1
+    if value < 0:
+        raise ValueError(f"{field}: {x!r} is not a length (a non-negative integer, or e.g. '8k' for 8192)")
+    return value
 
 
 def parse_lengths(text: str, field: str = "seq_lens") -> list[int]:
-    """Comma-separated :func:`parse_length` values: ``"2k,4k,8192"``."""
-    return [parse_length(part, field) for part in str(text).split(",")]
+    """Comma-separated positive :func:`parse_length` values: ``"2k,4k,8192"``."""
+    out = [parse_length(part, field) for part in str(text).split(",")]
+    if 0 in out:
+        raise ValueError(f"{field}: {text!r}: every entry must be positive")
+    return out
+
 
 def stdlib_lengths(bytes_per_token: int = 4) -> np.ndarray:
     """Token estimates (bytes // bytes_per_token, at least 1) of every non-empty stdlib .py file,

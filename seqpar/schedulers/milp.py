@@ -11,7 +11,9 @@ the number of bucket-b sequences group g runs; ``C`` the makespan. Constraints: 
 by exactly one selected block; every bucket's count placed; ``n_bg ≤ cap_bg·y_g``; memory of each
 group; ``C ≥ const·y_g + Σ_b n_bg·(lin·ℓ_b + quad·ℓ_b²)`` and ``C ≥ const·y_g + Σ_b n_bg·(lin +
 overlap)·ℓ_b`` (the max of the cost model, exact because it is minimised); on ranks sharing CPU
-cores one more row, ``C ≥ Σ_g work_g`` (:meth:`.assign.Table.plan_time`); and, to break the
+cores one more row, ``C ≥`` the plan's total compute over the cores (a relaxation of
+:meth:`.assign.Table.plan_time`; there every method is kept, and the MILP may pick a slower one
+for its smaller work, which decoding replaces by the fastest again); and, to break the
 symmetry of equal blocks, sizes non-increasing from rank 0 (any multiset of power-of-two sizes can
 be placed that way, so no plan is lost). An empty selected group is charged its constant, which
 never binds: every busy group costs at least the smallest constant.
@@ -188,9 +190,11 @@ def solve_milp(table: Table, buckets: Buckets, *, upper: float | None,
         block(np.concatenate([pg, ag, ag]), np.concatenate([G + ar, ag, np.full(G, iC)]),
               np.concatenate([per[pg, pb], co["const"], -np.ones(G)]), -np.inf, 0.0, G)
     if table.shared:  # ranks sharing cores: the plan's total work over the cores - C <= 0, one row
+        # (without the per-group constants: an idle selected group does no work, and the row stays a
+        # relaxation of Table.plan_time that the greedy plan's bucketed makespan always satisfies)
         per_w = co["wlin"][:, None] * buckets.mean + co["wquad"][:, None] * buckets.mean_sq
-        block(np.zeros(G + P + 1, dtype=np.int64), np.concatenate([ag, G + ar, [iC]]),
-              np.concatenate([co["wconst"], per_w[pg, pb], [-1.0]]), -np.inf, 0.0, 1)
+        block(np.zeros(P + 1, dtype=np.int64), np.concatenate([G + ar, [iC]]),
+              np.concatenate([per_w[pg, pb], [-1.0]]), -np.inf, 0.0, 1)
     # symmetry: the rank before a block of size d lies in a selected block of size >= d
     sym_r, sym_c, sym_v = [], [], []
     n_sym = 0
