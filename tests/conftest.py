@@ -28,11 +28,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_slow = pytest.mark.skip(reason="slow test; set SEQPAR_SLOW=1 to run it")
     has_cuda = torch.cuda.is_available()
     run_slow = os.environ.get("SEQPAR_SLOW") == "1"
+    skip_static_full = pytest.mark.skip(reason="slow static GPU check; set SEQPAR_GPU_STATIC_FULL=1 to run it")
+    run_static_full = os.environ.get("SEQPAR_GPU_STATIC_FULL") == "1"
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
         if "slow" in item.keywords and not run_slow:
             item.add_marker(skip_slow)
+        if "gpu_static_full" in item.keywords and not run_static_full:
+            item.add_marker(skip_static_full)
 
 
 @pytest.fixture(scope="session", autouse=True)
