@@ -14,12 +14,11 @@ import itertools
 
 import pytest
 import torch
+from gpu_static import sdpa_contracts
+from gpu_static.fake_cuda import cuda_tensor, fake_cuda
 
 from seqpar.kernels import block_backward, block_forward
 from seqpar.kernels.varlen import VarlenSegments, varlen_backward, varlen_forward
-
-from gpu_static import sdpa_contracts
-from gpu_static.fake_cuda import cuda_tensor, fake_cuda
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}
