@@ -14,6 +14,7 @@ import itertools
 import sys
 import tomllib
 import types
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -29,7 +30,7 @@ from gpu_static.flash_stub import (
 )
 from packaging.requirements import Requirement
 
-from seqpar.kernels import block_backward, block_forward, plan_block
+from seqpar.kernels import FAILED_KERNELS, block_backward, block_forward, plan_block
 from seqpar.kernels.dispatch import select_backend
 from seqpar.kernels.flash import (
     MAX_VERSION,
@@ -131,6 +132,34 @@ def test_varlen_flash_path(release, dt, heads):
     n = len(segs.packed_calls())
     assert ext.calls == ["varlen_fwd"] * n + ["varlen_bwd"] * n and n == 2
     assert contracts.calls == []
+
+
+def test_varlen_kernel_failure_falls_back(release):
+    """flash-attn's varlen kernels fail to launch (automatic choice): one warning per direction,
+    then the per-segment path (flash-attn's dense kernels here) serves; forcing still raises."""
+    segs = VarlenSegments.build([(0, 37, 0, 37, "causal"), (37, 64, 37, 64, "causal"), (37, 64, 0, 37, "none")],
+                                tq=101, tk=101)
+    no_image = RuntimeError("CUDA error: no kernel image is available for execution on the device")
+    FAILED_KERNELS.clear()
+    try:
+        with flash_attn_on_fake_gpu(release[1], release[0], (9, 0)) as (ext, _):
+            ext.fail = {"varlen_fwd": no_image, "varlen_bwd": no_image}
+            q = cuda_tensor(1, 101, 4, 64, dtype=torch.bfloat16)
+            k = cuda_tensor(1, 101, 2, 64, dtype=torch.bfloat16)
+            with pytest.warns(RuntimeWarning, match="'flash_attn'.*varlen GQA forward.*no kernel image"):
+                out, lse = varlen_forward(q, k, k, segs, scale=0.125)
+            with pytest.warns(RuntimeWarning, match="'flash_attn'.*varlen GQA backward.*no kernel image"):
+                varlen_backward(q, q, k, k, out, lse, segs, scale=0.125)
+            assert ext.calls == ["varlen_fwd"] + ["fwd"] * 3 + ["varlen_bwd"] + ["bwd"] * 3
+            ext.calls.clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # demoted: no second warning, no second attempt
+                varlen_backward(q, q, k, k, *varlen_forward(q, k, k, segs, scale=0.125), segs, scale=0.125)
+            assert ext.calls == ["fwd"] * 3 + ["bwd"] * 3
+            with pytest.raises(RuntimeError, match="no kernel image"):
+                varlen_forward(q, k, k, segs, scale=0.125, backend="flash_attn")
+    finally:
+        FAILED_KERNELS.clear()
 
 
 @pytest.mark.parametrize("cap", [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0), (7, 5)], ids=lambda c: f"sm{c[0]}{c[1]}")

@@ -85,12 +85,19 @@ def _shape(t: torch.Tensor, name: str, *shape: int) -> None:
 
 
 class FlashExtension(types.ModuleType):
-    """``flash_attn_2_cuda`` of flash-attn ``version`` on a GPU of ``capability``; records calls."""
+    """``flash_attn_2_cuda`` of flash-attn ``version`` on a GPU of ``capability``; records calls.
+    ``fail[name] = exc`` makes function ``name`` raise ``exc`` (a kernel that cannot launch)."""
 
     def __init__(self, version: str, capability: tuple[int, int]):
         super().__init__("flash_attn_2_cuda")
         self.version, self.capability = version_tuple(version), tuple(capability)
         self.calls: list[str] = []
+        self.fail: dict[str, BaseException] = {}
+
+    def _called(self, name: str) -> None:
+        self.calls.append(name)
+        if name in self.fail:
+            raise self.fail[name]
 
     # -------------------------------------------------------------- checks shared by the four
     def _gpu(self) -> None:
@@ -166,7 +173,7 @@ class FlashExtension(types.ModuleType):
     # -------------------------------------------------------------- the extension's functions
     def fwd(self, q, k, v, out_, alibi_slopes, p_dropout, softmax_scale, is_causal, window_size_left,
             window_size_right, softcap, return_softmax, gen_):
-        self.calls.append("fwd")
+        self._called("fwd")
         self._inputs(q, k, v)
         b, sq, h, d = q.shape
         _check(b > 0, "batch size must be positive")
@@ -178,7 +185,7 @@ class FlashExtension(types.ModuleType):
     def varlen_fwd(self, q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
                    alibi_slopes, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal,
                    window_size_left, window_size_right, softcap, return_softmax, gen_):
-        self.calls.append("varlen_fwd")
+        self._called("varlen_fwd")
         self._inputs(q, k, v)
         batch = cu_seqlens_q.numel() - 1
         _check(batch > 0, "batch size must be positive")
@@ -195,7 +202,7 @@ class FlashExtension(types.ModuleType):
 
     def bwd(self, dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes, p_dropout, softmax_scale, is_causal,
             window_size_left, window_size_right, softcap, deterministic, gen_, rng_state):
-        self.calls.append("bwd")
+        self._called("bwd")
         self._inputs(q, k, v, ("out", out), ("dout", dout))
         self._backward_gpu(q, p_dropout)
         b, sq, h, _ = q.shape
@@ -211,7 +218,7 @@ class FlashExtension(types.ModuleType):
     def varlen_bwd(self, dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                    max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal, window_size_left,
                    window_size_right, softcap, deterministic, gen_, rng_state):
-        self.calls.append("varlen_bwd")
+        self._called("varlen_bwd")
         self._inputs(q, k, v, ("out", out), ("dout", dout))
         self._backward_gpu(q, p_dropout)
         batch = cu_seqlens_q.numel() - 1
