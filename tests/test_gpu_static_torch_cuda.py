@@ -17,7 +17,7 @@ import torch
 from gpu_static import sdpa_contracts
 from gpu_static.fake_cuda import cuda_tensor, fake_cuda
 
-from seqpar.kernels import block_backward, block_forward
+from seqpar.kernels import BACKEND_NAMES, block_backward, block_forward
 from seqpar.kernels.varlen import VarlenSegments, varlen_backward, varlen_forward
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -107,6 +107,16 @@ def test_bf16_refused_below_sm80():
         q = cuda_tensor(1, 16, 2, 64, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="bfloat16 needs compute capability >= 8.0"):
             block_forward(q, q, q, scale=0.125, backend="torch_cuda")
+
+
+def test_unservable_case_lists_every_backend():
+    """On a (simulated) GPU, a case nothing serves names every backend with its own reason."""
+    with fake_cuda((8, 6)):
+        q = cuda_tensor(1, 16, 2, 64, dtype=torch.int32)
+        with pytest.raises(ValueError, match="no attention backend fits") as e:
+            block_forward(q, q, q, scale=0.125, mask="causal")
+    for name in BACKEND_NAMES:
+        assert f"\n  {name}: " in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("cap", list(CAPS.values()), ids=list(CAPS))
