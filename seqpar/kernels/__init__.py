@@ -10,10 +10,12 @@ fp32 (fp64 for fp64). Masks ``MASKS`` are aligned top-left when Tq != Tk.
 - :func:`merge_` folds a partial ``(out, lse)`` into an fp32 accumulator made
   by :func:`new_accumulator`.
 - :func:`select_backend` / :func:`available_backends`: dispatch over
-  ``flash_attn`` > ``torch_cuda`` > ``torch_cpu`` > ``reference``
+  ``flash_attn`` > ``triton`` > ``torch_cuda`` > ``torch_cpu`` > ``reference``
   (``reference`` first for float64).
 - :func:`varlen_forward` / :func:`varlen_backward`: packed streams ``[1, T, H, D]``
   described by :class:`VarlenSegments` (per-document segments; :mod:`.varlen`).
+- :data:`FAILED_KERNELS`: the cases in which an automatically chosen backend's kernel
+  failed to compile or launch here and was demoted (:mod:`.fallback`); ``.clear()`` retries.
 """
 
 from .base import MASKS, Backend, BlockPlan, Capabilities, check_qkv, plan_block
@@ -25,6 +27,7 @@ from .dispatch import (
     block_forward,
     select_backend,
 )
+from .fallback import FAILED_KERNELS, KernelCase
 from .merge import merge_, new_accumulator
 from .varlen import Segment, VarlenSegments, varlen_backward, varlen_forward
 
@@ -32,6 +35,8 @@ __all__ = [
     "MASKS",
     "BACKENDS",
     "BACKEND_NAMES",
+    "FAILED_KERNELS",
+    "KernelCase",
     "Backend",
     "BlockPlan",
     "Capabilities",

@@ -135,6 +135,39 @@ def plan_block(tq: int, tk: int, mask: str) -> BlockPlan:
     return BlockPlan(1, max(0, min(tk, tq - 1)), True, tq, tk)
 
 
+#: Triton's exceptions for a kernel that cannot be built or launched with its configuration:
+#: compile errors (incl. static asserts), shared memory / registers beyond the GPU's limits, ptxas
+#: failures, no autotuning configuration left. Matched by class name along the MRO (no import of
+#: triton); its InterpreterError (a kernel bug under TRITON_INTERPRET=1) is not among them.
+_TRITON_FAILURES = frozenset({"CompilationError", "OutOfResources", "PTXASError", "AutotunerError"})
+
+#: RuntimeError messages of CUDA launches and kernel libraries that cannot run a case on this GPU
+#: or build (never bad input, never a numerical problem).
+_LAUNCH_MESSAGES = (
+    "no kernel image is available",  # cudaErrorNoKernelImageForDevice: not built for this sm
+    "invalid device function",  # cudaErrorInvalidDeviceFunction: idem
+    "too many resources requested for launch",  # cudaErrorLaunchOutOfResources: registers/threads
+    "does not have enough shared-memory",  # torch's memory-efficient kernels
+    "no kernel found to launch",  # torch's memory-efficient kernels: none fits this GPU
+    "only supports ampere gpus or newer",  # flash-attn / torch's flash kernels on older GPUs
+    "ptxas",  # PTX assembly failed (e.g. unsupported sm)
+)
+
+
+def launch_failure(exc: BaseException) -> str | None:
+    """``"ExcType: first line"`` when ``exc`` says a kernel failed to compile or launch on this
+    GPU (Triton compile / resource errors, CUDA "no kernel image", out of shared memory,
+    unsupported architecture), else ``None``: ``ValueError`` (bad input), out of memory, an
+    illegal memory access and every other error are not launch failures and must propagate."""
+    triton = any(c.__module__.startswith("triton") and c.__name__ in _TRITON_FAILURES for c in type(exc).__mro__)
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not triton and not (isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _LAUNCH_MESSAGES)):
+        return None
+    # Triton's compile errors start with the source location and end with the message.
+    text = " ... ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """What a backend can serve; checked by :meth:`Backend.refusal`.
@@ -215,6 +248,11 @@ class Backend:
                 f"Tq={q.shape[1]}, Tk={k.shape[1]} reduces to {plan.tq - plan.q_start}x{plan.k_stop}"
             )
         return self.extra_refusal(q, k, v, plan, for_backward)
+
+    def launch_failure(self, exc: BaseException) -> str | None:
+        """Why ``exc``, raised by this backend's kernel, means it cannot compile or launch this
+        case on this machine (see :func:`launch_failure`), or ``None`` for any other error."""
+        return launch_failure(exc)
 
     def rank(self, dtype: torch.dtype) -> tuple[bool, int]:
         """Sort key for dispatch: preferred dtype first, then priority."""

@@ -7,17 +7,21 @@ the backend there and pad the result back to the full block:
 - rows that see no key get ``out = 0``, ``lse = -inf`` and ``dq = 0``;
 - keys that no row sees get ``dk = dv = 0``.
 
-Dispatch picks the highest-ranked backend that fits (flash_attn > torch_cuda
-> torch_cpu > reference for half/fp32; reference first for float64). A forced
-``backend=`` that cannot serve raises ``ValueError`` with its reason; when
-nothing fits, one ``ValueError`` lists every backend with its reason.
+Dispatch picks the highest-ranked backend that fits (flash_attn > triton >
+torch_cuda > torch_cpu > reference for half/fp32; reference first for float64).
+A forced ``backend=`` that cannot serve raises ``ValueError`` with its reason;
+when nothing fits, one ``ValueError`` lists every backend with its reason. An
+automatically chosen backend whose kernel fails to compile or launch for a
+case is demoted for that case with one warning and the next one runs
+(:mod:`seqpar.kernels.fallback`); a forced one raises.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import Backend, check_mask, check_qkv, check_scale, lse_dtype, plan_block
+from .base import Backend, BlockPlan, check_mask, check_qkv, check_scale, lse_dtype, plan_block
+from .fallback import FAILED_KERNELS, Attempt, KernelCase
 from .flash import FlashAttnBackend
 from .reference import ReferenceBackend
 from .torch_ops import TorchCPUBackend, TorchCUDABackend
@@ -63,6 +67,31 @@ def _by_name(name: str) -> Backend:
     raise ValueError(f"backend={name!r} is unknown: use None (automatic) or one of {list(BACKEND_NAMES)}")
 
 
+def _candidates(q, k, v, mask: str, for_backward: bool, has_out: bool, reasons: list[str]):
+    """Backends that can serve this block, best first (a generator: the refusals of the rest are
+    only evaluated when needed); appends ``"  name: why"`` to ``reasons`` for each one that cannot,
+    including those demoted for this case (:data:`FAILED_KERNELS`)."""
+    plan = plan_block(q.shape[1], k.shape[1], mask)
+    case = KernelCase.of(q, k, "causal" if plan.causal else "none", for_backward)
+    for b in sorted(BACKENDS, key=lambda b: b.rank(q.dtype), reverse=True):
+        why = b.refusal(q, k, v, mask, for_backward, has_out)
+        failed = None if why else FAILED_KERNELS.reason(b.name, case)
+        if failed:
+            why = f"failed to compile or launch here for {case}: {failed}"
+        if why:
+            reasons.append(f"  {b.name}: {why}")
+        else:
+            yield b
+
+
+def _no_backend(q, k, mask: str, for_backward: bool, reasons: list[str]) -> ValueError:
+    return ValueError(
+        f"no attention backend fits q {tuple(q.shape)} {q.dtype} on {q.device}, "
+        f"k {tuple(k.shape)}, mask={mask!r}, {'backward' if for_backward else 'forward'}:\n"
+        + "\n".join(reasons)
+    )
+
+
 def select_backend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -78,7 +107,8 @@ def select_backend(
     ``has_out=False`` (backward given only ``delta``) skips backends whose
     backward needs ``out``. ``backend="name"`` forces one. Raises
     ``ValueError`` for an unknown name, a forced backend that refuses (with
-    its reason) or when none fits (listing every backend and why).
+    its reason) or when none fits (listing every backend and why, including
+    those whose kernel failed to compile or launch here for this case).
     """
     check_mask(mask)
     if backend is not None:
@@ -87,17 +117,25 @@ def select_backend(
         if why:
             raise ValueError(f"backend={backend!r} cannot serve this block: {why}")
         return chosen
-    reasons = []
-    for b in sorted(BACKENDS, key=lambda b: b.rank(q.dtype), reverse=True):
-        why = b.refusal(q, k, v, mask, for_backward, has_out)
-        if why is None:
-            return b
-        reasons.append(f"  {b.name}: {why}")
-    raise ValueError(
-        f"no attention backend fits q {tuple(q.shape)} {q.dtype} on {q.device}, "
-        f"k {tuple(k.shape)}, mask={mask!r}, {'backward' if for_backward else 'forward'}:\n"
-        + "\n".join(reasons)
-    )
+    reasons: list[str] = []
+    for b in _candidates(q, k, v, mask, for_backward, has_out, reasons):
+        return b
+    raise _no_backend(q, k, mask, for_backward, reasons)
+
+
+def _run(q, k, v, plan: BlockPlan, *, mask, backend, for_backward, has_out, call):
+    """``call(chosen)`` on the forced backend, or on the best capable one, demoting those whose
+    kernel fails to compile or launch (:class:`~seqpar.kernels.fallback.Attempt`) in turn."""
+    if backend is not None:
+        return call(select_backend(q, k, v, mask=mask, backend=backend, for_backward=for_backward,
+                                   has_out=has_out))
+    reasons: list[str] = []
+    case = KernelCase.of(q, k, "causal" if plan.causal else "none", for_backward)
+    for chosen in _candidates(q, k, v, mask, for_backward, has_out, reasons):
+        with Attempt(chosen, case) as attempt:
+            return call(chosen)
+        reasons.append(f"  {chosen.name}: failed to compile or launch here for {case}: {attempt.failed}")
+    raise _no_backend(q, k, mask, for_backward, reasons)
 
 
 def block_forward(
@@ -119,19 +157,18 @@ def block_forward(
     """
     check_qkv(q, k, v)
     check_scale(scale)
-    chosen = select_backend(q, k, v, mask=mask, backend=backend)
     b, tq, hq, d = q.shape
     plan = plan_block(tq, k.shape[1], mask)
     if plan.empty or b == 0 or hq == 0 or d == 0:
+        select_backend(q, k, v, mask=mask, backend=backend)  # the same errors as a full block
         out = q.new_zeros(q.shape)
         lse = torch.full((b, hq, tq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
         return out, lse
-    out, lse = chosen.forward(
-        q[:, plan.q_start :],
-        k[:, : plan.k_stop],
-        v[:, : plan.k_stop],
-        scale=float(scale),
-        causal=plan.causal,
+    rows, keys = slice(plan.q_start, None), slice(None, plan.k_stop)
+    out, lse = _run(
+        q, k, v, plan, mask=mask, backend=backend, for_backward=False, has_out=True,
+        call=lambda chosen: chosen.forward(q[:, rows], k[:, keys], v[:, keys], scale=float(scale),
+                                           causal=plan.causal),
     )
     lse = lse.to(lse_dtype(q.dtype))
     if plan.q_start:
@@ -179,29 +216,23 @@ def block_backward(
     _check_rows("delta", delta, (b, hq, tq))
     if out is None and delta is None:
         raise ValueError("block_backward needs `out` (the merged output) or `delta` = rowsum(dout*out)")
-    chosen = select_backend(
-        q, k, v, mask=mask, backend=backend, for_backward=True, has_out=out is not None
-    )
     tk = k.shape[1]
     plan = plan_block(tq, tk, mask)
     if plan.empty or b == 0 or hq == 0 or d == 0:
+        select_backend(q, k, v, mask=mask, backend=backend, for_backward=True, has_out=out is not None)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    rows = slice(plan.q_start, None)
+    rows, keys = slice(plan.q_start, None), slice(None, plan.k_stop)
     acc = lse_dtype(q.dtype)
     lse_r = lse[..., rows].to(acc)
     # A row that saw no key anywhere has lse -inf; +inf makes its P exactly 0
     # (exp(s - inf)) where -inf would give exp(-inf + inf) = NaN.
     lse_r = torch.where(torch.isneginf(lse_r), float("inf"), lse_r)
-    dq, dk, dv = chosen.backward(
-        dout[:, rows],
-        q[:, rows],
-        k[:, : plan.k_stop],
-        v[:, : plan.k_stop],
-        None if out is None else out[:, rows],
-        lse_r,
-        scale=float(scale),
-        causal=plan.causal,
-        delta=None if delta is None else delta[..., rows].to(acc),
+    dq, dk, dv = _run(
+        q, k, v, plan, mask=mask, backend=backend, for_backward=True, has_out=out is not None,
+        call=lambda chosen: chosen.backward(
+            dout[:, rows], q[:, rows], k[:, keys], v[:, keys], None if out is None else out[:, rows], lse_r,
+            scale=float(scale), causal=plan.causal, delta=None if delta is None else delta[..., rows].to(acc),
+        ),
     )
     if plan.q_start:
         dq = torch.cat((dq.new_zeros(b, plan.q_start, hq, d), dq), dim=1)

@@ -4,9 +4,16 @@ Forward uses the public ``flash_attn_func(..., return_attn_probs=True)``,
 which gives ``(out, lse, _)`` with lse ``[B, Hq, Tq]`` fp32. The backward must
 be fed the *merged* out/lse of the row, which the public autograd path cannot
 do, so it calls ``flash_attn.flash_attn_interface._flash_attn_backward``; we
-rely on its flash-attn >= 2.7 form (separate ``window_size_left/right``,
-``softcap``, caller-allocated ``dq/dk/dv``) and refuse older versions rather
-than probing signatures.
+rely on its flash-attn 2.7 / 2.8 form (separate ``window_size_left/right``,
+``softcap``, caller-allocated ``dq/dk/dv``) and refuse other versions by
+version number rather than probing signatures: the ``flash`` extra admits
+exactly ``>=2.7,<3`` (2.6 takes ``window_size`` as one tuple; 3.x is a
+different interface). Every admitted release is checked against its real
+Python interface by ``tests/test_gpu_static_flash.py``.
+
+GPUs: flash-attn 2.7.0 - 2.7.2 run on sm_8x and sm_90 only (``mha_fwd``:
+"FlashAttention only supports Ampere GPUs or newer"), 2.7.3 and later on any
+sm >= 80.
 
 GQA is native (dK/dV come back with Hkv heads). Causal is bottom-right aligned
 in flash-attn >= 2.1, so it serves causal only when the reduced block of
@@ -17,11 +24,20 @@ that covers ``causal`` with ``Tq <= Tk`` and ``causal_strict`` with
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from .base import HALF_DTYPES, Backend, Capabilities
 
-MIN_VERSION = (2, 7)
+MIN_VERSION = (2, 7)  # inclusive, as the `flash` extra: flash-attn>=2.7,<3
+MAX_VERSION = (3, 0)  # exclusive
+
+
+def version_tuple(version: str) -> tuple[int, int, int]:
+    """``"2.7.1.post4"`` -> ``(2, 7, 1)``; unparsable -> ``(0, 0, 0)``."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    return (int(m[1]), int(m[2]), int(m[3] or 0)) if m else (0, 0, 0)
 
 
 def _load():
@@ -36,10 +52,20 @@ def _load():
     except Exception as exc:  # ImportError, or a broken CUDA build
         return None, f"flash_attn not importable ({type(exc).__name__}: {exc})"
     version = getattr(flash_attn, "__version__", "0")
-    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if parts < MIN_VERSION:
-        return None, f"flash_attn {version} < {'.'.join(map(str, MIN_VERSION))}"
+    if not MIN_VERSION <= version_tuple(version)[:2] < MAX_VERSION:
+        return None, (f"flash_attn {version} is not supported: seqpar needs flash-attn >= "
+                      f"{'.'.join(map(str, MIN_VERSION))}, < {'.'.join(map(str, MAX_VERSION))}")
     return flash_attn_interface, None
+
+
+def arch_refusal(version: str, capability: tuple[int, int]) -> str | None:
+    """Why flash-attn ``version`` cannot run on a GPU of ``capability``, or ``None``."""
+    major, minor = capability
+    if version_tuple(version) >= (2, 7, 3):
+        return None if major >= 8 else f"flash_attn needs compute capability >= 8.0, got {capability}"
+    if major == 8 or (major, minor) == (9, 0):
+        return None
+    return f"flash_attn {version} runs on sm_8x and sm_90 only (>= 2.7.3 for other GPUs), got {capability}"
 
 
 class FlashAttnBackend(Backend):
@@ -62,9 +88,9 @@ class FlashAttnBackend(Backend):
         mod, why = _load()
         if mod is None:
             return why
-        if torch.cuda.get_device_capability(device) < (8, 0):
-            return f"needs compute capability >= 8.0, got {torch.cuda.get_device_capability(device)}"
-        return None
+        import flash_attn
+
+        return arch_refusal(flash_attn.__version__, torch.cuda.get_device_capability(device))
 
     def forward(self, q, k, v, *, scale, causal):
         fa, _ = _load()

@@ -13,7 +13,7 @@ They run on the reduced block of :func:`seqpar.kernels.base.plan_block`
   It returns lse 0 for a fully masked row and dies with SIGFPE on Tq == 0 or
   Tk == 0, which is why the dispatch layer never hands it such blocks.
 - ``torch_cuda``: ``aten._scaled_dot_product_flash_attention`` (fp16/bf16,
-  sm80+, D % 8 == 0, D <= 256; causal is bottom-right in the vendored
+  sm_80..sm_121, D % 8 == 0, D <= 256; causal is bottom-right in the vendored
   flash-attn kernel, so causal only on a square reduced block) else
   ``aten._scaled_dot_product_efficient_attention`` (fp32 too; its causal is
   top-left). Non-causal GQA folds the ``g`` query heads of a group into the
@@ -21,6 +21,17 @@ They run on the reduced block of :func:`seqpar.kernels.base.plan_block`
   cannot be folded (the mask depends on the row inside the group), so this
   backend alone repeats K/V heads *locally, inside the kernel call* and sums
   dK/dV over the group in fp32; nothing expanded ever leaves this function.
+
+  Layout contracts of the CUDA kernels that torch's fake kernels do not check
+  (checked on fake CUDA tensors by ``tests/test_gpu_static_torch_cuda.py``):
+  the ops see ``[B, H, M, D]`` and hand the kernels the ``[B, M, H, D]`` view,
+  whose head dim must be contiguous with 16-byte aligned strides and start;
+  the memory-efficient backward reads ``out`` with an implied row stride of
+  ``H * D`` (``kernel_backward.h``, ``Params::o_strideM``: it computes
+  ``delta = rowsum(dout * out)`` itself for fp16/bf16), so ``out`` is passed
+  with exactly that row stride; its lse is padded to a multiple of 32 rows
+  (read in blocks of 32). The flash backward reads lse as contiguous
+  ``[B, H, M]`` and raises for 192 < D <= 224 on sm_86/89/120/121.
 """
 
 from __future__ import annotations
@@ -85,6 +96,20 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def _kernel_view(x: torch.Tensor, *, dense_rows: bool = False) -> torch.Tensor:
+    """``x`` in kernel layout ``[B, H, M, D]``, copied only if its ``[B, M, H, D]`` view breaks
+    what the CUDA kernels assume: contiguous D, 16-byte aligned strides and start, and with
+    ``dense_rows`` a row (M) stride of exactly ``H * D`` (``out`` of the efficient backward)."""
+    v = x.transpose(1, 2)
+    align = 16 // x.element_size()
+    fits = v.stride(-1) == 1 and v.storage_offset() % align == 0 and all(
+        size == 1 or stride % align == 0 for size, stride in zip(v.shape[:3], v.stride()[:3])
+    )
+    if dense_rows and v.shape[1] > 1:
+        fits = fits and v.stride(1) == v.shape[2] * v.shape[3]
+    return x if fits else v.contiguous().transpose(1, 2)
+
+
 class TorchCUDABackend(Backend):
     """torch's CUDA flash / memory-efficient attention ops (with lse)."""
 
@@ -111,11 +136,16 @@ class TorchCUDABackend(Backend):
         return None
 
     @staticmethod
-    def _use_flash(q: torch.Tensor, causal: bool, square: bool) -> bool:
+    def _use_flash(q: torch.Tensor, causal: bool, square: bool, for_backward: bool) -> bool:
+        """torch's flash kernel: fp16/bf16 on sm_80..sm_121 (``sdp_utils.cpp``), causal only on
+        square blocks; its backward raises for 192 < D <= 224 on sm_86/89/120/121 (``mha_bwd``)."""
+        cap = _capability(q.device)
+        if for_backward and 192 < q.shape[-1] <= 224 and ((8, 6) <= cap <= (8, 9) or (12, 0) <= cap):
+            return False
         return (
             q.dtype in HALF_DTYPES
             and torch.backends.cuda.is_flash_attention_available()
-            and _capability(q.device) >= (8, 0)
+            and (8, 0) <= cap <= (12, 1)
             and (square or not causal)
         )
 
@@ -127,18 +157,20 @@ class TorchCUDABackend(Backend):
         return "expand" if causal else "fold"
 
     @staticmethod
-    def _rows_in(x: torch.Tensor, hkv: int, mode: str) -> torch.Tensor:
-        """A q-like ``[B, Tq, Hq, D]`` tensor in kernel layout ``[B, H', R, D]``."""
-        if mode != "fold":
-            return _bhtd(x)
-        b, t, hq, d = x.shape
-        g = hq // hkv
-        return x.reshape(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    def _rows_in(x: torch.Tensor, hkv: int, mode: str, *, dense_rows: bool = False) -> torch.Tensor:
+        """A q-like ``[B, Tq, Hq, D]`` tensor in kernel layout ``[B, H', R, D]``.
+
+        ``fold`` puts query head ``j*g + i`` of KV group ``j`` at rows ``i*Tq:(i+1)*Tq`` of
+        kernel head ``j`` (for a contiguous ``x`` the reshape copies into the kernels' view)."""
+        if mode == "fold":
+            b, t, hq, d = x.shape
+            x = x.reshape(b, t, hkv, hq // hkv, d).permute(0, 3, 1, 2, 4).reshape(b, -1, hkv, d)
+        return _kernel_view(_bhtd(x), dense_rows=dense_rows)
 
     @staticmethod
     def _kv_in(x: torch.Tensor, g: int, mode: str) -> torch.Tensor:
         """``[B, Tk, Hkv, D]`` in kernel layout; repeated to Hq heads only for causal GQA."""
-        x = _bhtd(x)
+        x = _kernel_view(_bhtd(x))
         return x.repeat_interleave(g, dim=1) if mode == "expand" else x
 
     @staticmethod
@@ -156,7 +188,7 @@ class TorchCUDABackend(Backend):
         mode = self._mode(q, k, causal)
         qh = self._rows_in(q, hkv, mode)
         kh, vh = self._kv_in(k, hq // hkv, mode), self._kv_in(v, hq // hkv, mode)
-        if self._use_flash(q, causal, square=tq == k.shape[1]):
+        if self._use_flash(q, causal, tq == k.shape[1], for_backward=False):
             out, lse = aten._scaled_dot_product_flash_attention(
                 qh, kh, vh, 0.0, causal, False, scale=scale
             )[:2]
@@ -175,11 +207,11 @@ class TorchCUDABackend(Backend):
         mode = self._mode(q, k, causal)
         qh = self._rows_in(q, hkv, mode)
         doh = self._rows_in(dout.to(dt), hkv, mode)
-        oh = self._rows_in(out.to(dt), hkv, mode)
+        oh = self._rows_in(out.to(dt), hkv, mode, dense_rows=True)
         kh, vh = self._kv_in(k, g, mode), self._kv_in(v, g, mode)
         heads, rows = qh.shape[1], qh.shape[2]
         lse_h = lse.float().reshape(b, heads, rows)
-        if self._use_flash(q, causal, square=tq == tk):
+        if self._use_flash(q, causal, tq == tk, for_backward=True):
             dev = q.device
             dqh, dkh, dvh = aten._scaled_dot_product_flash_attention_backward(
                 doh, qh, kh, vh, oh, lse_h.contiguous(),

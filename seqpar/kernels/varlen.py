@@ -23,7 +23,9 @@ Execution (chosen per call, like the dense kernels):
   many short documents; one call per document would be dominated by overhead);
 - flash-attn varlen (``flash_attn_varlen_func`` forward, the private
   ``_flash_attn_varlen_backward``) on CUDA when importable: segments are
-  gathered into contiguous streams described by ``cu_seqlens_q/k``.
+  gathered into contiguous streams described by ``cu_seqlens_q/k``
+  (:mod:`.varlen_flash`; if chosen automatically and its kernels fail to
+  launch here, the per-segment path takes over: :mod:`.fallback`).
 
 The descriptor is built once on the host (frozen); device index tensors are
 made lazily on first use and kept in its own :class:`TensorCache`, so repeated
@@ -39,9 +41,9 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 
 from .base import MASKS, check_mask, check_qkv, check_scale, lse_dtype, plan_block
-from .dispatch import BACKEND_NAMES, BACKENDS, block_backward, block_forward
-from .flash import _load as _load_flash
+from .dispatch import block_backward, block_forward
 from .merge import merge_, new_accumulator
+from .varlen_flash import flash_backward_parts, flash_forward_parts, flash_run, use_flash
 
 
 class TensorCache:
@@ -315,23 +317,6 @@ class VarlenSegments:
 # ----------------------------------------------------------------------------- dispatch
 
 
-def _flash_refusal(q, k, v, for_backward: bool, has_out: bool) -> str | None:
-    flash = next(b for b in BACKENDS if b.name == "flash_attn")
-    return flash.refusal(q, k, v, "none", for_backward, has_out)
-
-
-def _use_flash(q, k, v, backend, for_backward, has_out) -> bool:
-    """True to run the flash-attn varlen path; ValueError when it is forced but cannot serve."""
-    if backend is not None and backend not in BACKEND_NAMES:
-        raise ValueError(f"backend={backend!r} is unknown: use None (automatic) or one of {list(BACKEND_NAMES)}")
-    if backend not in (None, "flash_attn"):
-        return False
-    why = _flash_refusal(q, k, v, for_backward, has_out)
-    if why and backend == "flash_attn":
-        raise ValueError(f"backend='flash_attn' cannot serve this varlen block: {why}")
-    return why is None
-
-
 def _check_streams(q, k, v, segments: VarlenSegments) -> None:
     check_qkv(q, k, v)
     if not isinstance(segments, VarlenSegments):
@@ -375,18 +360,11 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: 
             raise ValueError(f"acc shapes {tuple(acc_out.shape)}, {tuple(acc_lse.shape)} do not fit q "
                              f"{tuple(q.shape)}: make them with new_accumulator(q.shape, q.device)")
     hq, d = q.shape[2], q.shape[3]
-    if _use_flash(q, k, v, backend, False, True):
-        fa, _ = _load_flash()
-        for i, call in enumerate(segments.packed_calls()):
-            qi, ki, cu_q, cu_k = segments.packed_tensors(i, q.device)
-            with torch.no_grad():
-                o, lse, _ = fa.flash_attn_varlen_func(
-                    q[0].index_select(0, qi), k[0].index_select(0, ki), v[0].index_select(0, ki),
-                    cu_q, cu_k, call.max_q, call.max_k, dropout_p=0.0, softmax_scale=float(scale),
-                    causal=call.causal, return_attn_probs=True)
-            if lse.dim() != 2:  # flash-attn >= 2.7 returns unpadded [Hq, total_q]
-                raise RuntimeError(f"flash_attn_varlen_func returned lse of shape {tuple(lse.shape)}, "
-                                   "expected [Hq, total_q] (flash-attn >= 2.7)")
+    parts = None
+    if use_flash(q, k, v, backend, False, True):
+        parts = flash_run(q, k, backend, False, lambda: flash_forward_parts(q, k, v, segments, scale))
+    if parts is not None:
+        for qi, o, lse in parts:
             _merge_rows(acc_out, acc_lse, qi, o, lse)
     else:
         for b, (qi, ki) in zip(segments.batches, segments.batch_tensors(q.device)):
@@ -435,19 +413,11 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         for name, x, like in (("dq", dq_a, q), ("dk", dk_a, k), ("dv", dv_a, v)):
             if tuple(x.shape) != tuple(like.shape):
                 raise ValueError(f"grad_acc {name} has shape {tuple(x.shape)}, expected {tuple(like.shape)}")
-    if _use_flash(q, k, v, backend, True, out is not None):
-        fa, _ = _load_flash()
-        dt = q.dtype
-        for i, call in enumerate(segments.packed_calls()):
-            qi, ki, cu_q, cu_k = segments.packed_tensors(i, q.device)
-            qp, kp, vp = (x[0].index_select(0, j) for x, j in ((q, qi), (k, ki), (v, ki)))
-            dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-            fa._flash_attn_varlen_backward(
-                dout[0].index_select(0, qi).to(dt), qp, kp, vp, out[0].index_select(0, qi).to(dt),
-                lse[0].index_select(1, qi).float().contiguous(), dq, dk, dv, cu_q, cu_k,
-                call.max_q, call.max_k, dropout_p=0.0, softmax_scale=float(scale), causal=call.causal,
-                window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                deterministic=False, rng_state=None)
+    parts = None
+    if use_flash(q, k, v, backend, True, out is not None):
+        parts = flash_run(q, k, backend, True, lambda: flash_backward_parts(dout, q, k, v, out, lse, segments, scale))
+    if parts is not None:
+        for qi, ki, dq, dk, dv in parts:
             dq_a[0].index_add_(0, qi, dq.to(acc))
             dk_a[0].index_add_(0, ki, dk.to(acc))
             dv_a[0].index_add_(0, ki, dv.to(acc))
@@ -474,7 +444,5 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     return dq_a.to(q.dtype), dk_a.to(k.dtype), dv_a.to(v.dtype)
 
 
-__all__ = [
-    "MASKS", "PackedCall", "Segment", "SegmentBatch", "TensorCache", "VarlenSegments", "varlen_backward",
-    "varlen_forward", "visible_pairs",
-]
+__all__ = ["MASKS", "PackedCall", "Segment", "SegmentBatch", "TensorCache", "VarlenSegments", "varlen_backward",
+           "varlen_forward", "visible_pairs"]
