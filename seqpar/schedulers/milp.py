@@ -1,4 +1,4 @@
-"""The MILP planner (ALGORITHMS.md §7), solved by HiGHS through ``scipy.optimize.milp``.
+"""The MILP planner (seqpar/schedulers/README.md), solved by HiGHS through ``scipy.optimize.milp``.
 
 Lengths are grouped into at most ``num_buckets`` buckets by a 1-D dynamic programme that minimises
 the padded compute ``Σ w(bucket max) - w(s)`` with ``w(s) = α2·s + α1·s²`` (padding a long

@@ -1,7 +1,7 @@
 """Schedules: what one rank computes and sends at each step of a softmax sequence-parallel method.
 
 Every softmax method of seqpar is a :class:`Schedule` run by ONE executor
-(:func:`seqpar.attention.ring.execute`); the methods differ only in the schedule, built once per
+(:func:`seqpar.softmax.executor.execute`); the methods differ only in the schedule, built once per
 call on the host from (rank, N, local length, causal). Nothing in the step loop inspects data or
 synchronises with the device.
 
@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layouts.base import layout_named
+
 OPERANDS = ("q", "kv")
 RESULTS = ("out", "dkv")
 PAYLOADS = OPERANDS + RESULTS
@@ -45,7 +47,7 @@ class Block:
     order). ``mask`` is a block mask of :mod:`seqpar.kernels` (``none``, ``causal``,
     ``causal_strict``), aligned top-left on the two slices.
 
-    ``segments``: packed variable-length input (:mod:`seqpar.packing`): the block is a
+    ``segments``: packed variable-length input (:mod:`seqpar.softmax.packed`): the block is a
     :class:`~seqpar.kernels.varlen.VarlenSegments` over the two slices (document by document,
     padding never covered) and ``mask`` is unused; the executor calls the varlen kernels."""
 
@@ -223,7 +225,7 @@ def striped_plan(rank: int, n: int, t_local: int, causal: bool, transport: str =
     return RingPlan(tuple(steps), transport)
 
 
-def verify(build, n: int, t_local: int, causal: bool, layout: str) -> None:
+def verify(build, n: int, t_local: int, causal: bool, layout) -> None:
     """Check the schedules of all ``n`` ranks of a builder ``(rank, n, t_local, causal) -> plan``
     against each other, on the host (for tests and for anyone writing a schedule):
 
@@ -231,10 +233,10 @@ def verify(build, n: int, t_local: int, causal: bool, layout: str) -> None:
     - every operand a task or a send uses is held at that step (own, or received earlier);
     - every (query, key) pair the mask allows is computed exactly once, none it forbids.
 
-    Raises ``AssertionError`` describing the first problem.
+    ``layout``: a :class:`~seqpar.layouts.base.Layout` or its name. Raises ``AssertionError``
+    describing the first problem.
     """
-    from ..layout import token_indices  # local import: the layout module imports the registry
-
+    layout = layout_named(layout)
     T = t_local * n
     scheds = [build(r, n, t_local, causal).schedule(t_local) for r in range(n)]
     steps = max(s.n for s in scheds)
@@ -265,7 +267,7 @@ def verify(build, n: int, t_local: int, causal: bool, layout: str) -> None:
                     arrivals.append((r, (m.what, owner), (m.rows.start, m.rows.stop)))
             for t in step.tasks:
                 a, b = (r + t.q) % n, (r + t.kv) % n
-                qi, ki = token_indices(T, n, a, layout).tolist(), token_indices(T, n, b, layout).tolist()
+                qi, ki = layout.positions(T, n, a), layout.positions(T, n, b)
                 for blk in t.blocks:
                     has(r, "q", a, blk.q, f"step {i} task")
                     has(r, "kv", b, blk.kv, f"step {i} task")

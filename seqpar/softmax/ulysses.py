@@ -7,7 +7,7 @@ holds global tokens ``[m·c, (m+1)·c)``):
 - after the all-to-all: q ``[B, L, Hq/U, D]`` (member m owns query heads ``[m·Hq/U, (m+1)·Hq/U)``)
   and k, v ``[B, L, n_m, D]`` with the ``n_m`` KV heads those query heads use (see below);
 - full attention of the whole sequence for the local heads (``block_forward``; GQA native), or, in
-  USP (:mod:`seqpar.attention.usp`), the shared ring loop over the ring axis on these head shards;
+  USP (:mod:`seqpar.softmax.usp`), the shared ring loop over the ring axis on these head shards;
 - out ``[B, L, Hq/U, D]`` goes back through the inverse all-to-all to ``[B, c, Hq, D]``.
 
 **GQA head routing.** With ``g = Hq/Hkv`` and ``h = Hq/U``, member m needs the KV heads
@@ -21,7 +21,7 @@ split evenly over its KV heads (``h % g`` and ``g % h`` both non-zero, e.g. Hq=1
 local heads are cut into a few *segments*, each a plain GQA block with equal groups.
 
 Volume per rank (elements; esize bytes each): forward ``(U-1)/U·c·2d`` for q and out plus
-``2·B·c·D·(Σ_m n_m - n_me)`` for k, v (``= (U-1)/U·c·2d_kv`` when ``Hkv % U == 0``: ALGORITHMS.md
+``2·B·c·D·(Σ_m n_m - n_me)`` for k, v (``= (U-1)/U·c·2d_kv`` when ``Hkv % U == 0``: docs/methods.md
 §4/§8); backward the same (dout out, dq, dk, dv back, in the input dtype).
 
 Shared by ``ulysses`` and ``usp``: one autograd Function, :class:`UlyssesAttention`; the local step
@@ -37,7 +37,8 @@ import torch
 from ..comm import CommStats, GroupInfo, all_to_all
 from ..kernels import block_backward, block_forward
 from ..kernels.varlen import varlen_backward, varlen_forward
-from .ring import RingConfig, ring_backward, ring_forward
+from ..layouts.ulysses import packed_heads
+from .executor import RingConfig, ring_backward, ring_forward
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ class UlyssesConfig:
     backend: str | None = None
     stats: CommStats | None = None
     ring: RingConfig | None = None
-    packed: object = None  # PackedHeads (seqpar.attention.packed) of packed plain-Ulysses input
+    packed: object = None  # PackedHeads (seqpar.layouts.ulysses) of packed plain-Ulysses input
 
 
 def _segment_forward(q, k, v, cfg: UlyssesConfig):
@@ -294,7 +295,5 @@ def run_ulysses(q, k, v, call) -> torch.Tensor:
     check_heads(q, call.info.size, what="the Ulysses degree (ranks in group)")
     packed = None
     if call.packed is not None:
-        from .packed import packed_heads  # local import: packed imports the registry, which is light
-
         packed = packed_heads(call.packed, call.causal)
     return UlyssesAttention.apply(q, k, v, ulysses_config(call.info, q, k, call, packed=packed))

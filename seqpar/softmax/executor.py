@@ -28,7 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import CommStats, GroupInfo, all_gather_stack, exchange, nbytes, reduce_scatter_stack
+from ..comm import (
+    CommStats,
+    GroupInfo,
+    all_gather_stack,
+    exchange,
+    nbytes,
+    reduce_scatter_stack,
+)
 from ..kernels import block_backward, block_forward, merge_, new_accumulator
 from ..kernels.varlen import varlen_backward, varlen_forward
 from .checkpoint import active_tape
