@@ -42,6 +42,40 @@ PAYLOADS = OPERANDS + RESULTS
 
 
 @dataclass(frozen=True)
+class Wire:
+    """One tensor of a message: the named parts stacked in it (one part: not stacked).
+
+    ``stat``: parts are row statistics ``[B, H, T]`` (lse, delta), else rows ``[B, T, H, D]``;
+    ``heads``: ``"q"`` (Hq) or ``"kv"`` (Hkv); ``dtype``: ``"input"`` (the inputs' dtype),
+    ``"acc"`` (fp32, fp64 for fp64 input) or ``"grad"`` (the ``grad_comm_dtype`` of gradients)."""
+
+    parts: tuple[str, ...]
+    heads: str = "q"
+    dtype: str = "input"
+    stat: bool = False
+
+    @property
+    def row_dim(self) -> int:
+        """The dimension that holds the token rows (a stacked wire has a leading part dimension)."""
+        return (2 if self.stat else 1) + (len(self.parts) > 1)
+
+
+#: What each payload carries, in forward (False) and backward (True): the message's tensors, and
+#: for results how they fold into an accumulator (``"merge"``: running (out, lse) in fp32;
+#: ``"sum"``: gradients summed in fp32). The executor reads this table instead of branching.
+WIRES: dict[tuple[str, bool], tuple[Wire, ...]] = {
+    ("q", False): (Wire(("q",)),),
+    ("q", True): (Wire(("q", "dout")), Wire(("lse", "delta"), dtype="acc", stat=True)),
+    ("kv", False): (Wire(("k", "v"), heads="kv"),),
+    ("kv", True): (Wire(("k", "v"), heads="kv"),),
+    ("out", False): (Wire(("out",)), Wire(("lse",), dtype="acc", stat=True)),
+    ("out", True): (Wire(("dq",), dtype="grad"),),
+    ("dkv", True): (Wire(("dk", "dv"), heads="kv", dtype="grad"),),
+}
+FOLD = {("out", False): "merge", ("out", True): "sum", ("dkv", True): "sum"}
+
+
+@dataclass(frozen=True)
 class Block:
     """One block computation: query rows ``q`` against K,V rows ``kv`` (each in its owner's local
     order). ``mask`` is a block mask of :mod:`seqpar.kernels` (``none``, ``causal``,

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 
 from ..comm import CommStats, GroupInfo, all_to_all
 from ..kernels import block_backward, block_forward
@@ -115,8 +116,8 @@ def seq_to_heads(axis: GroupInfo, parts, splits, *, stats: CommStats | None, nam
     outs, off = [], 0
     for s, size in zip(splits, sizes[me]):
         n = s.count(me)
-        piece = recv[:, off:off + size].view(u, b, c, n, d)
-        outs.append(piece.transpose(0, 1).reshape(b, u * c, n, d))
+        piece = recv[:, off:off + size].view(u, b, c, n, d)  # member m's rows of this rank's heads
+        outs.append(rearrange(piece, "u b c n d -> b (u c) n d"))
         off += size
     return outs
 
@@ -137,7 +138,7 @@ def heads_to_seq(axis: GroupInfo, parts, splits, heads, *, stats: CommStats | No
     grid, off = send.view(u, chunk), 0
     for y, size, s in zip(parts, sizes[me], splits):
         n = s.count(me)
-        grid[:, off:off + size].view(u, b, c, n, d).copy_(y.view(b, u, c, n, d).transpose(0, 1))
+        grid[:, off:off + size].view(u, b, c, n, d).copy_(rearrange(y, "b (u c) n d -> u b c n d", u=u))
         off += size
     recv = all_to_all(axis, send, input_splits=[chunk] * u, output_splits=[sum(x) for x in sizes],
                       stats=stats, name=name)
