@@ -40,7 +40,7 @@ from bench_scheduler import METHOD_SETS  # the same method sets as the main sche
 from seqpar.schedulers import CostModel, best_static_plan, fit_to_cluster, plan_batch, sample_lengths, static_plan
 from seqpar.schedulers.cluster import get_profile
 from seqpar.schedulers.data import sample_tokens
-from seqpar.testing import progress_track
+from seqpar.comm.launch import progress_track
 
 PROFILES = ("h100-nvlink-ib", "a100-nvlink-ib")
 # data -> tokens per GPU

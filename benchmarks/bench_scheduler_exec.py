@@ -6,7 +6,7 @@ files, bytes / 4 = tokens, sampled with :func:`seqpar.schedulers.sample_lengths`
 ``--tokens-per-rank`` tokens per rank keeping the shape of the distribution):
 
 1. the cost model and cluster come from ``seqpar calibrate`` on this machine
-   (:func:`seqpar.schedulers.calibrate.calibrate`, attention shape ``--heads`` x ``--head-dim``,
+   (:func:`seqpar.bench.calibrate.calibrate`, attention shape ``--heads`` x ``--head-dim``,
    fp32), or from a saved calibration (``--calibration FILE``);
 2. the batch is planned with :func:`plan_batch` (the adaptive plan) and with :func:`static_plan`
    for every SP degree 1, 2, 4 and every method (the baselines; degree 1 once: on one rank every
@@ -43,8 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from seqpar.schedulers import fit_to_cluster, plan_batch, sample_lengths, static_plan
-from seqpar.schedulers.measure import phase_plans
-from seqpar.testing import usable_cores
+from seqpar.bench.measure import phase_plans
+from seqpar.comm.launch import usable_cores
 
 DEFAULT_METHODS = ("zigzag_ring", "striped_ring", "ring", "allgather_kv", "ulysses", "usp", "lightseq", "token_ring")
 
@@ -132,7 +132,8 @@ def long_tailed_seeds(args, cluster, cost, tries: int = 1000) -> list[int]:
 
 def get_model(args):
     """(cluster, cost model) from --calibration, or measured now (saved next to the results)."""
-    from seqpar.schedulers.calibrate import calibrate, load_calibration
+    from seqpar.bench.calibrate import calibrate
+    from seqpar.schedulers.calibration import load_calibration
 
     if args.calibration:
         cluster, cost = load_calibration(args.calibration)

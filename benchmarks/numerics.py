@@ -105,7 +105,7 @@ def _rank_all(methods, dtypes, T, seed, n, grad_comm_dtype=None):
 
 def _reference(method, x):
     """float64 output and gradients on the same rounded inputs."""
-    from seqpar.attention.reference import reference_attention
+    from seqpar.softmax.reference import reference_attention
     from seqpar.linear import reference_linear_attention
 
     if method in seqpar.LINEAR_METHODS:

@@ -3,17 +3,17 @@
 Public API:
     METHODS, attention, shard, unshard, SequenceParallelAttention, CommStats,
     LINEAR_METHODS, linear_attention, checkpoint, TokenRingGroups, packed_layout, PeerError
+
+The map of the package (what each folder owns and may import) is docs/architecture.md.
 """
 
-from .attention import METHODS, SequenceParallelAttention, attention
-from .attention.checkpoint import checkpoint
-from .attention.packed import packed_layout
-from .attention.token_ring import TokenRingGroups
-from .comm import CommStats, PeerError
-from .layout import shard, unshard
-from .linear import LINEAR_METHODS, linear_attention
+from ._version import __version__
+from .comm import CommStats, PeerError, TokenRingGroups
+from .layouts import packed_layout, shard, unshard
+from .linear import linear_attention
+from .methods import LINEAR_METHODS, METHODS
+from .softmax import SequenceParallelAttention, attention
+from .softmax.checkpoint import checkpoint
 
-__version__ = "0.1.0"
-__all__ = ["LINEAR_METHODS", "METHODS", "CommStats", "SequenceParallelAttention", "attention", "linear_attention", "shard", "unshard",
-           "__version__", "checkpoint", "TokenRingGroups",
-           "packed_layout", "PeerError"]
+__all__ = ["LINEAR_METHODS", "METHODS", "CommStats", "SequenceParallelAttention", "attention", "linear_attention",
+           "shard", "unshard", "__version__", "checkpoint", "TokenRingGroups", "packed_layout", "PeerError"]

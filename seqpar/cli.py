@@ -19,13 +19,13 @@ def plan_main(argv: list[str]) -> int:
 
 
 def calibrate_main(argv: list[str]) -> int:
-    from seqpar.schedulers.calibrate_cli import calibrate_main as run
+    from seqpar.bench.calibrate_cli import calibrate_main as run
 
     return run(argv)
 
 
 def simulate_main(argv: list[str]) -> int:
-    from seqpar.schedulers.simulate import simulate_main as run
+    from seqpar.bench.simulate import simulate_main as run
 
     return run(argv)
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import seqpar
-from seqpar.attention.reference import reference_attention
+from seqpar.softmax.reference import reference_attention
 
 
 # fp32: every path accumulates in fp32; products of O(1) values summed over <= a few hundred keys

@@ -23,7 +23,7 @@ def test_methods_listed():
 @pytest.mark.parametrize("method", seqpar.METHODS)
 def test_single_device_matches_reference(method):
     """Without torch.distributed the call is a plain (exact) attention on one device."""
-    from seqpar.attention.reference import reference_attention
+    from seqpar.softmax.reference import reference_attention
 
     q, k, v = (t.double() for t in _qkv())
     out = seqpar.attention(q, k, v, method=method, causal=True)
@@ -56,7 +56,7 @@ def test_bad_input_single_device(name, make, match):
 
 def test_packed_single_device():
     """cu_seqlens on one device: per-document attention of the packed stream; bad offsets raise."""
-    from seqpar.attention.reference import reference_attention
+    from seqpar.softmax.reference import reference_attention
 
     q, k, v = (t[:1] for t in _qkv())
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
@@ -112,7 +112,7 @@ def _module_case():
     mod = seqpar.SequenceParallelAttention(method="striped_ring", causal=True)
     local = [seqpar.shard(t, method="striped_ring") for t in (q, k, v)]
     out = seqpar.unshard(mod(*local), method="striped_ring")
-    from seqpar.attention.reference import reference_attention
+    from seqpar.softmax.reference import reference_attention
 
     return float((out - reference_attention(q, k, v, causal=True)).abs().max())
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from seqpar.schedulers import ClusterSpec, CostModel, plan_batch
-from seqpar.schedulers.calibrate import (build_models, calibrate, fit_compute, fit_link, load_calibration,
-                                         measure_group_scales, save_calibration, tailed_docs)
+from seqpar.bench.calibrate import build_models, calibrate, fit_compute, fit_link, measure_group_scales, tailed_docs
+from seqpar.schedulers.calibration import load_calibration, save_calibration
 from seqpar.schedulers.cost import MethodCost
 
 
@@ -115,7 +115,7 @@ def test_kernel_scale_from_emulated_efficiency(tmp_path):
 
 
 def test_fit_group_scale_separates_attention_from_the_rest():
-    from seqpar.schedulers.calibrate import fit_group_scale
+    from seqpar.bench.calibrate import fit_group_scale
 
     rows = [{"attn_s": a, "rest_s": r, "measured_s": 2.0 * a + 0.5 * r} for a, r in ((1.0, 4.0), (4.0, 8.0), (16, 16))]
     assert fit_group_scale(rows) == pytest.approx((2.0, 0.5))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_ckpt
 
 import seqpar
-from seqpar.attention import ring as ring_module
+from seqpar.softmax import executor as ring_module
 from seqpar.testing import run_distributed
 
 from dist_utils import world

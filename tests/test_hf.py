@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from seqpar.integrations.hf import (IGNORE_INDEX, apply_context_parallel, context_parallel_loss,  # noqa: E402
-                                    packed_attention_supported, packed_position_ids, shard_inputs, shift_labels)
+                                    packed_position_ids, shard_inputs, shift_labels)
 from seqpar.testing import run_distributed  # noqa: E402
 
 # fp32 on both sides; the context-parallel model only changes the order of the softmax sums
@@ -31,16 +31,6 @@ from seqpar.testing import run_distributed  # noqa: E402
 FP32_TOL = 2e-5
 VOCAB = 96
 
-
-def _packed_supported() -> tuple[bool, str]:
-    """Detected, not assumed: a tiny single-device packed call; the packed tests run once it works."""
-    if dist.is_initialized():
-        return False, "torch.distributed is initialised in the test process; cannot probe"
-    return packed_attention_supported()
-
-
-PACKED_OK, PACKED_WHY = _packed_supported()
-needs_packed = pytest.mark.skipif(not PACKED_OK, reason=f"packed attention not available yet: {PACKED_WHY}")
 
 
 def _build(kind: str, seed: int):
@@ -132,7 +122,6 @@ def _packed_matches_per_document(kind, method, lengths, seed):
     return _compare(ref, model, ref_logits, ref_loss, logits, loss, batch), batch.token_index.tolist()
 
 
-@needs_packed
 @pytest.mark.parametrize("n,method", [(2, "zigzag_ring"), (4, "zigzag_ring"), (4, "ring"), (4, "striped_ring")])
 def test_packed_documents_match_per_document_forward(n, method):
     lengths = [5, 1, 11, 7, 2]  # a document of length 1; none divisible by N or 2N
@@ -159,7 +148,7 @@ class _PackedStandIn:
         return x.narrow(dim, 0, x.shape[dim] - 3)
 
     def attention(self, q, k, v, *, causal, softmax_scale=None, cu_seqlens=None, **kwargs):
-        from seqpar.attention.reference import reference_attention
+        from seqpar.softmax.reference import reference_attention
 
         assert cu_seqlens is not None and cu_seqlens.dtype == torch.int32, "cu_seqlens must reach attention"
         self.calls += 1
@@ -172,11 +161,11 @@ class _PackedStandIn:
 def test_packed_plumbing_with_a_single_device_stand_in(monkeypatch):
     """cu_seqlens reaches every attention call, padding is skipped, positions restart per document:
     the model equals the unmodified one run on each document separately."""
-    import seqpar
+    import seqpar.integrations.hf as hf
 
-    stand_in = _PackedStandIn(seqpar.shard)
-    monkeypatch.setattr(seqpar, "shard", stand_in.shard)
-    monkeypatch.setattr(seqpar, "attention", stand_in.attention)
+    stand_in = _PackedStandIn(hf.shard)
+    monkeypatch.setattr(hf, "shard", stand_in.shard)
+    monkeypatch.setattr(hf, "attention", stand_in.attention)
     errs, index = _packed_matches_per_document("llama", "zigzag_ring", [5, 1, 11, 7, 2], 3)
     assert index[-3:] == [-1, -1, -1] and sorted(index[:-3]) == list(range(26))
     assert stand_in.calls == 2  # one per decoder layer

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import seqpar
-from seqpar.attention import plans
-from seqpar.attention.lightseq import lightseq_plan
+from seqpar.softmax import plans
+from seqpar.softmax.lightseq import lightseq_plan
 from seqpar.testing import run_distributed
 
 from test_token_ring import check_errors, compare

@@ -257,7 +257,7 @@ def test_bad_input_raises_on_every_rank_before_communicating():
 
 
 def test_bench_linear_reports_time_and_bytes():
-    from seqpar.linear.bench import bench_linear
+    from seqpar.bench.linear import bench_linear
 
     res = run_distributed(bench_linear, 2, "zeco", 256, 2, 16, 8, 1, None, timeout=120)
     for rank, r in enumerate(res):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import seqpar
-from seqpar.attention.reference import reference_attention
+from seqpar.softmax.reference import reference_attention
 from seqpar.testing import run_distributed
 
 from dist_utils import rel_err, world

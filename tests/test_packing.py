@@ -1,11 +1,12 @@
-"""Tests of packed variable-length geometry ``seqpar.packing``.
+"""Tests of packed variable-length geometry ``seqpar.layouts.packed`` and of the packed schedules
+derived from it (``seqpar.softmax.packed``).
 
 Host-side properties run on hypothesis-generated packings (1-20 documents of 1-200
 tokens, so length 1 and lengths not divisible by N or 2N occur, N = 1..8, every layout).
 The expected index of every local row is recomputed here from the layout's definition
-(padding at each document's end), independently of the library. Coverage of the ring
-steps is checked combinatorially: over all (rank, source) pairs the visible pairs of
-the segments, mapped to global tokens, must be exactly the per-document causal (or full)
+(padding at each document's end), independently of the library. Coverage of every ring-family
+method's packed schedule is checked combinatorially: over all ranks and tasks the visible pairs
+of the segments, mapped to global tokens, must be exactly the per-document causal (or full)
 score matrix, each pair once. Shard/unshard run on real gloo ranks (N = 2, 4).
 """
 
@@ -19,20 +20,15 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from packed_utils import gathered_segments, method_decl, ring_steps, shard_packed, unshard_packed
 from seqpar.comm import CommStats
-from seqpar.packing import (
-    LAYOUTS,
-    PackedLayout,
-    check_cu_seqlens,
-    check_same_on_ranks,
-    gathered_segments,
-    ring_plan,
-    shard_packed,
-    step_segments,
-    unshard_packed,
-)
+from seqpar.comm.agreement import check_same_on_ranks
+from seqpar.layouts import LAYOUTS, PackedLayout, check_cu_seqlens
+from seqpar.methods import RING_METHODS
+from seqpar.softmax.packed import packed_schedule
 from seqpar.testing import run_distributed
 
+LAYOUTS = tuple(LAYOUTS)
 PACKINGS = dict(
     lens=st.lists(st.integers(1, 200), min_size=1, max_size=20).map(tuple),
     n=st.integers(1, 8),
@@ -93,7 +89,6 @@ def test_index_maps(lens, n, kind):
             # real tokens form a prefix of every piece; all of them belong to document d
             assert all(g >= 0 for g in piece[:real]) and all(g == -1 for g in piece[real:])
             assert all(pl.cu_seqlens[d] <= g < pl.cu_seqlens[d + 1] for g in piece[:real])
-            assert sum(pl.chunk_real[r][d]) == real
         seen.extend(g for g in idx if g >= 0)
     assert sorted(seen) == list(range(T))  # a bijection onto the real tokens
     assert pl.num_padding == n * pl.t_local - T
@@ -103,23 +98,27 @@ def test_index_maps(lens, n, kind):
             assert max(counts) - min(counts) <= 1
 
 
-def covered_pairs(pl: PackedLayout, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted global keys q*T+k of every visible pair of every step, the expected ones)."""
-    T, t = pl.total_tokens, pl.t_local
+def covered_pairs(pl: PackedLayout, method: str, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted global keys q*T+k of every visible pair of every task of ``method``'s packed schedules
+    on every rank, the expected ones)."""
+    T, t, n = pl.total_tokens, pl.t_local, pl.n
     tri = torch.ones(t, t, dtype=torch.int16).tril()
     tmpl = {"none": torch.ones(t, t, dtype=torch.int16), "causal": tri, "causal_strict": tri.tril(-1)}
-    idx = [torch.tensor(pl.local_index(r)) for r in range(pl.n)]
+    idx = [torch.tensor(pl.local_index(r)) for r in range(n)]
     keys = []
-    for r in range(pl.n):
-        for j in range(pl.n):
-            count = torch.zeros(t, t, dtype=torch.int16)
-            for s in step_segments(pl, r, j, causal=causal).segments:
-                count[s.q_start:s.q_start + s.q_len, s.k_start:s.k_start + s.k_len] += tmpl[s.mask][:s.q_len, :s.k_len]
-            p, k = torch.nonzero(count, as_tuple=True)
-            assert (count[p, k] == 1).all(), "a pair is computed twice within one step"
-            gq, gk = idx[r][p], idx[j][k]
-            assert (gq >= 0).all() and (gk >= 0).all(), "a padding row or key is covered"
-            keys.append(gq * T + gk)
+    for r in range(n):
+        for step in packed_schedule(method_decl(method), pl, r, causal).steps:
+            for task in step.tasks:
+                count = torch.zeros(t, t, dtype=torch.int16)
+                for b in task.blocks:
+                    for s in b.segments.segments:
+                        count[s.q_start:s.q_start + s.q_len, s.k_start:s.k_start + s.k_len] += \
+                            tmpl[s.mask][:s.q_len, :s.k_len]
+                p, k = torch.nonzero(count, as_tuple=True)
+                assert (count[p, k] == 1).all(), "a pair is computed twice within one task"
+                gq, gk = idx[(r + task.q) % n][p], idx[(r + task.kv) % n][k]
+                assert (gq >= 0).all() and (gk >= 0).all(), "a padding row or key is covered"
+                keys.append(gq * T + gk)
     expected = []
     for a, b in zip(pl.cu_seqlens, pl.cu_seqlens[1:]):
         full = torch.ones(b - a, b - a, dtype=torch.bool)
@@ -128,13 +127,17 @@ def covered_pairs(pl: PackedLayout, causal: bool) -> tuple[torch.Tensor, torch.T
     return torch.sort(torch.cat(keys)).values, torch.sort(torch.cat(expected)).values
 
 
-@given(**PACKINGS, causal=st.booleans())
-@example(lens=(1, 2, 3, 16, 17), n=8, kind="zigzag", causal=True)
-@example(lens=(1, 9, 4), n=4, kind="striped", causal=True)
+@given(lens=PACKINGS["lens"], n=PACKINGS["n"], method=st.sampled_from(RING_METHODS), causal=st.booleans())
+@example(lens=(1, 2, 3, 16, 17), n=8, method="zigzag_ring", causal=True)
+@example(lens=(1, 9, 4), n=4, method="striped_ring", causal=True)
+@example(lens=(1, 9, 4, 30), n=5, method="lightseq", causal=True)
+@example(lens=(1, 9, 4, 30), n=4, method="token_ring", causal=True)
 @FAST
-def test_steps_cover_each_document_once(lens, n, kind, causal):
-    pl = PackedLayout(kind, n, lens)
-    got, expected = covered_pairs(pl, causal)
+def test_packed_schedules_cover_each_document_once(lens, n, method, causal):
+    """Every ring-family method's packed schedule (its dense plan per document, clipped to the real
+    tokens) computes every visible (query, key) pair of every document exactly once, nothing else."""
+    pl = PackedLayout(method_decl(method).layout, n, lens)
+    got, expected = covered_pairs(pl, method, causal)
     assert torch.equal(got, expected)  # equal sorted lists: every pair exactly once, nothing else
     assert sum(pl.work(r, causal) for r in range(n)) == expected.numel()
 
@@ -150,15 +153,15 @@ def test_zigzag_balance_long_documents(n):
     assert zig.balance(causal=False) <= 1.02
 
 
-def test_ring_plan_and_gathered():
+def test_ring_steps_and_gathered():
     pl = PackedLayout("zigzag", 4, (1, 9, 30, 2, 17))
     for r in range(4):
-        plan = ring_plan(pl, r, causal=True)
-        assert plan.sources == tuple((r - s) % 4 for s in range(4))
-        assert plan.steps[0] == step_segments(pl, r, r, causal=True)
-        assert pl.ring_plan(r, causal=True) == plan and pl.ring_plan(r, causal=True) is pl.ring_plan(r, causal=True)
-        assert plan.work == pl.work(r) == gathered_segments(pl, r, causal=True).pairs
-        assert all(s.tq == s.tk == pl.t_local for s in plan.steps)
+        steps = ring_steps(pl, r, causal=True)
+        assert [j for j, _ in steps] == [(r - s) % 4 for s in range(4)]
+        assert sum(s.pairs for _, s in steps) == pl.work(r) == gathered_segments(pl, r, causal=True).pairs
+        assert all(s.tq == s.tk == pl.t_local for _, s in steps)
+        assert packed_schedule(method_decl("zigzag_ring"), pl, r, True) is \
+            packed_schedule(method_decl("zigzag_ring"), pl, r, True)  # cached on the layout
     assert pl.local_cu_seqlens_tensor().dtype == torch.int32
     assert pl.local_cu_seqlens_tensor() is pl.local_cu_seqlens_tensor()  # cached, per layout
 

@@ -192,7 +192,7 @@ def _bench_module():
 
 
 def _bench_child(*args):
-    from seqpar.schedulers.measure import phase_plans
+    from seqpar.bench.measure import phase_plans
 
     return phase_plans(*args)
 
@@ -202,7 +202,7 @@ def test_bench_scheduler_exec_tiny():
     each executed step gives the float64 single-rank loss of the same batch (so every plan really
     computed the whole batch's attention), and the speedup is the best measured static over adaptive."""
     from seqpar.schedulers import CostModel, MethodCost
-    from seqpar.schedulers.measure import _plan_inputs
+    from seqpar.bench.measure import _plan_inputs
 
     bench = _bench_module()
     start = time.perf_counter()

@@ -8,7 +8,7 @@ import pytest
 
 from seqpar.schedulers.cluster import PROFILES, ClusterSpec, get_profile
 from seqpar.schedulers.cost import SOFTMAX_METHODS, CostModel
-from seqpar.schedulers.simulate import DEFAULT_WORLD_SIZES, plot_efficiency, simulate, simulate_main
+from seqpar.bench.simulate import DEFAULT_WORLD_SIZES, plot_efficiency, simulate, simulate_main
 
 H100 = get_profile("h100-nvlink-ib")
 CM = CostModel.default()  # Llama-3-8B shape, H100 FLOP rates
@@ -103,9 +103,9 @@ def test_ring_bytes_match_the_implementation_formula():
 
 def test_validate_on_two_ranks_bytes_exact_and_rows_complete():
     """A tiny --validate run: every method's modelled bytes equal what its busiest rank sent."""
-    from seqpar.schedulers.sim_validate import summary, validate
+    from seqpar.bench.sim_validate import summary, validate
 
-    from seqpar.schedulers.calibrate import build_models
+    from seqpar.bench.calibrate import build_models
     from test_calibrate import _synthetic_measurements
 
     meas = _synthetic_measurements(world=2)

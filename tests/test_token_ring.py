@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import seqpar
-from seqpar.attention import plans
-from seqpar.attention.token_ring import TokenRingGroups, token_ring_plan
+from seqpar.softmax import plans
+from seqpar.comm import TokenRingGroups
+from seqpar.softmax.token_ring import token_ring_plan
 from seqpar.testing import run_distributed
 
 from dist_utils import BF16_FACTOR, BF16_FLOOR, check_errors, global_inputs, reference_grads, rel_err, sdpa_grads

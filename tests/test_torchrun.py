@@ -42,7 +42,7 @@ def test_bench_under_torchrun(tmp_path):
 
 def test_calibrate_under_torchrun_writes_a_usable_file(tmp_path):
     from seqpar.schedulers import plan_batch
-    from seqpar.schedulers.calibrate import load_calibration
+    from seqpar.schedulers.calibration import load_calibration
 
     out = tmp_path / "cal.json"
     _torchrun("calibrate", "--quick", "--methods", "zigzag_ring,ulysses", "--no-progress", "--out", str(out))

@@ -17,9 +17,8 @@ import torch
 pytest.importorskip("transformers")
 
 from seqpar.integrations import trainer_ckpt  # noqa: E402
-from seqpar.integrations.hf import packed_attention_supported  # noqa: E402
 from seqpar.integrations.trainer import main, train  # noqa: E402
-from seqpar.integrations.trainer_config import feature_missing, load_model_config  # noqa: E402
+from seqpar.integrations.trainer_config import load_model_config  # noqa: E402
 
 TINY = {"model_type": "llama", "vocab_size": 259, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -29,7 +28,6 @@ TINY = {"model_type": "llama", "vocab_size": 259, "hidden_size": 64, "intermedia
 # leaves room for other summation orders; a wrong label, mask or position would change the loss by
 # more than 1e-3.
 LOSS_RTOL = 2e-5
-PACKED = packed_attention_supported()[0]
 
 
 def _args(tmp, *extra, steps=5, config=None):
@@ -57,7 +55,7 @@ def runs(tmp_path_factory):
 def test_cp1_and_cp4_losses_match(runs):
     _, cp1, cp4 = runs
     assert sorted(cp1.losses) == sorted(cp4.losses) == [1, 2, 3, 4, 5]
-    assert cp1.packed == cp4.packed == PACKED  # packed documents are used as soon as seqpar supports them
+    assert cp1.packed and cp4.packed  # documents keep their boundaries
     _close(cp4.losses, cp1.losses, range(1, 6))
     assert cp1.losses[5] < cp1.losses[1]
 
@@ -122,8 +120,6 @@ def test_crash_then_resume_equals_uninterrupted(tmp_path):
 
 
 def test_adaptive_plans_and_matches_single_rank(runs):
-    if feature_missing("adaptive"):
-        pytest.skip(feature_missing("adaptive"))
     tmp, cp1, _ = runs
     adaptive = train(_args(tmp, "--nproc", 4, "--adaptive", "--batch-size", 1))
     _close(adaptive.losses, cp1.losses, range(1, 6))
@@ -135,8 +131,6 @@ def test_adaptive_mixed_groups_match_single_rank_parameters(tmp_path):
     (GroupCache, train_step; each group packs its sequences' documents into one stream): its losses
     and its parameters after 2 AdamW steps equal a one-rank run of the same batches, so the
     gradients (all-reduced over the plan's groups) are the single-rank ones."""
-    if feature_missing("adaptive"):
-        pytest.skip(feature_missing("adaptive"))
     one = train(_args(tmp_path, "--batch-size", 8, "--save", tmp_path / "one", steps=2))
     adaptive = train(_args(tmp_path, "--nproc", 4, "--adaptive", "--batch-size", 8, "--save", tmp_path / "ad",
                            steps=2))
@@ -153,7 +147,8 @@ def test_adaptive_mixed_groups_match_single_rank_parameters(tmp_path):
 
 
 def _calibration_file(tmp_path, methods):
-    from seqpar.schedulers.calibrate import build_models, save_calibration
+    from seqpar.bench.calibrate import build_models
+    from seqpar.schedulers.calibration import save_calibration
     from test_calibrate import _synthetic_measurements
 
     cluster, cost = build_models(_synthetic_measurements(world=4), methods)
@@ -165,8 +160,6 @@ def _calibration_file(tmp_path, methods):
 def test_adaptive_plans_with_a_calibration_file(tmp_path):
     """--calibration: the scheduler plans with the file's methods (here only ring) and machine, moved to
     the model's shape; the step is still the single-rank one."""
-    if feature_missing("adaptive"):
-        pytest.skip(feature_missing("adaptive"))
     from seqpar.integrations.trainer_config import adaptive_models, parse_args
 
     cal = _calibration_file(tmp_path, ["ring", "ulysses"])
@@ -199,37 +192,12 @@ def test_layer_checkpointing_bf16_plot(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
-def test_trainer_uses_packed_documents_once_supported(tmp_path, monkeypatch):
-    """With a single-device stand-in for packed attention, the trainer detects support by itself and
-    sends every sequence's cu_seqlens to attention (see test_hf for the stand-in)."""
-    import seqpar
-    from test_hf import _PackedStandIn
-
-    stand_in = _PackedStandIn(seqpar.shard)
-    for name in ("shard", "unshard", "attention"):
-        monkeypatch.setattr(seqpar, name, getattr(stand_in, name))
-    result = train(_args(tmp_path, steps=2))
-    assert result.packed and stand_in.calls >= 2 * 2  # two layers, two steps (plus the probe)
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.history)
-
-
 # ----------------------------------------------------------------------------- bad input
 
 
-def test_seq_len_not_fitting_the_layout_pads_or_says_which_to_use(tmp_path):
+def test_seq_len_not_fitting_the_layout_is_padded_per_document(tmp_path):
     args = _args(tmp_path, "--nproc", 4, "--context-parallel", 4, "--seq-len", 100, steps=1)  # the last wins
-    if PACKED:  # seqpar pads every packed document to the layout itself
-        assert train(args).history[0]["tokens"] == 100
-    else:
-        with pytest.raises(ValueError, match=r"--seq-len 100 .* multiple of 8; use --seq-len 104"):
-            train(args)
-
-
-def test_seq_len_check_without_packed_attention(tmp_path):
-    from seqpar.integrations.trainer_config import parse_args, validate
-
-    with pytest.raises(ValueError, match=r"--seq-len 100 .* multiple of 8; use --seq-len 104"):
-        validate(parse_args(_args(tmp_path, "--context-parallel", 4, "--seq-len", 100)), 4, packed=False)
+    assert train(args).history[0]["tokens"] == 100  # seqpar pads every packed document to the layout itself
 
 
 def test_context_parallel_must_divide_the_world(tmp_path):
@@ -256,11 +224,3 @@ def test_attention_checkpointing_matches_uncheckpointed(runs, tmp_path):
     _, cp1, _ = runs
     res = train(_args(tmp_path, "--nproc", 2, "--context-parallel", 2, "--checkpointing", "attention"))
     _close(res.losses, cp1.losses, range(1, 6))
-
-
-def test_unavailable_features_fail_clearly(tmp_path):
-    why = feature_missing("attention_checkpointing")
-    if why is None:
-        pytest.skip("seqpar.checkpoint is available")
-    with pytest.raises(ValueError, match="--checkpointing attention: .*not available in this version"):
-        train(_args(tmp_path, "--checkpointing", "attention"))

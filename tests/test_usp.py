@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import seqpar
-from seqpar.attention.usp import describe_usp, make_usp_groups
-from seqpar.layout import layout_of, token_indices
+from seqpar.comm.usp_groups import describe_usp, make_usp_groups
+from seqpar.layouts import layout_named, layout_of
 from seqpar.testing import run_distributed
 
 from dist_utils import global_inputs
@@ -123,7 +123,7 @@ def _layout(form, u, r, ring_method):
     axes = describe_usp(group, degree)
     # the composition, written out: piece u of the ring layout's super-shard j
     c = 48 // (u * r)
-    want = token_indices(48, r, axes.j, layout_of(ring_method))[axes.u * c:(axes.u + 1) * c]
+    want = layout_named(layout_of(ring_method)).token_indices(48, r, axes.j)[axes.u * c:(axes.u + 1) * c]
     return bool(torch.equal(back, x)), bool(torch.equal(local[0, :, 0], x[0, want, 0]))
 
 

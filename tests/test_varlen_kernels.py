@@ -22,7 +22,8 @@ import torch
 
 from seqpar.kernels import block_forward
 from seqpar.kernels.varlen import Segment, VarlenSegments, varlen_backward, varlen_forward, visible_pairs
-from seqpar.packing import PackedLayout, gathered_segments, ring_plan
+from packed_utils import gathered_segments, ring_steps
+from seqpar.layouts import PackedLayout
 
 FP32_REL = 1e-5
 BF16_FLOOR_REL = 2.0**-9
@@ -213,9 +214,9 @@ def test_ring_emulation(kind):
     dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
     outs = []
     for r in range(n):
-        plan = ring_plan(pl, r, causal=True)
+        plan = ring_steps(pl, r, causal=True)
         acc = (torch.zeros(1, t, hq, d), torch.full((1, hq, t), float("-inf")))
-        for j, segs in zip(plan.sources, plan.steps):
+        for j, segs in plan:
             varlen_forward(ql[r], kl[j], vl[j], segs, scale=0.35, acc=acc)
         outs.append(acc)
         g = gathered_segments(pl, r, causal=True)
@@ -224,7 +225,7 @@ def test_ring_emulation(kind):
         pad = idx[r] < 0
         assert not acc[0][0, pad].any() and torch.isneginf(acc[1][0][:, pad]).all()
         dq_r = torch.zeros(1, t, hq, d)
-        for j, segs in zip(plan.sources, plan.steps):
+        for j, segs in plan:
             gq, gk, gv = varlen_backward(dl[r], ql[r], kl[j], vl[j], acc[0], acc[1], segs, scale=0.35)
             dq_r += gq
             real_j = idx[j] >= 0

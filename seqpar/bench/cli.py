@@ -86,7 +86,7 @@ def config_from_args(args, parser) -> dict:
     for key, value in _DEFAULTS.items():
         if key not in config and not (key == "world_sizes" and "emulate" in config):
             config[key] = _csv(value) if isinstance(value, str) else value
-    from seqpar.testing import launched_by_torchrun
+    from seqpar.comm.launch import launched_by_torchrun
 
     if launched_by_torchrun() and args.nproc is None and not args.suite:
         config["world_sizes"] = [int(os.environ["WORLD_SIZE"])]

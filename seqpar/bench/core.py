@@ -8,8 +8,8 @@ computation is then timed on one rank (a group of one, same threads) for the ide
 :func:`seqpar.linear.linear_attention` with a per-key log-decay, softmax methods through
 :func:`seqpar.attention`.
 
-By default :func:`run_cases` spawns N local CPU ranks (gloo, through the persistent pools of
-:mod:`seqpar.testing`); under ``torchrun`` the launched ranks are used (NCCL and one GPU per rank
+By default :func:`run_cases` spawns N local CPU ranks (gloo, :class:`seqpar.comm.pool.LocalRanks`,
+kept for the command's cases); under ``torchrun`` the launched ranks are used (NCCL and one GPU per rank
 when CUDA is available).
 """
 
@@ -23,15 +23,20 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-import seqpar
-from seqpar.attention.registry import LINEAR_METHODS
-
-from seqpar.testing import launched_by_torchrun as launched
-from seqpar.testing import progress_track as _progress
+from seqpar.comm import CommStats, TokenRingGroups
+from seqpar.comm.launch import launched_by_torchrun as launched
+from seqpar.comm.launch import launched_process_group
+from seqpar.comm.launch import progress_track as _progress
+from seqpar.comm.pool import LocalRanks
+from seqpar.kernels.linear_chunk import (
+    CHUNK as LINEAR_CHUNK,  # the chunk of the linear kernels
+)
+from seqpar.layouts import packed_layout, shard, unshard
+from seqpar.linear import linear_attention
+from seqpar.methods import LINEAR_METHODS
+from seqpar.softmax import attention
 
 from .memory import PeakMemory
-
-from seqpar.kernels.linear_chunk import CHUNK as LINEAR_CHUNK  # noqa: E402  chunk of the linear kernels
 
 
 @dataclass(frozen=True)
@@ -187,10 +192,10 @@ def _call(case: BenchCase, tensors, group, stats=None, comm=None, cu_seqlens=Non
     t0 = time.perf_counter()
     if case.family == "linear":
         q, k, v, g = leaves
-        out, _ = seqpar.linear.linear_attention(q, k, v, g, group=group, method=case.method, stats=stats)
+        out, _ = linear_attention(q, k, v, g, group=group, method=case.method, stats=stats)
     else:
         q, k, v = leaves
-        out = seqpar.attention(q, k, v, method=case.method, causal=case.causal, group=comm or group,
+        out = attention(q, k, v, method=case.method, causal=case.causal, group=comm or group,
                                stats=stats, cu_seqlens=cu_seqlens)
     _sync(device)
     t1 = time.perf_counter()
@@ -242,15 +247,15 @@ def run_case_on_rank(case: BenchCase) -> dict:
         if case.packed_seed is not None:  # one packed stream; geometry built once, reused by every repeat
             lens = stdlib_doc_lengths(case.seq_len, case.packed_seed)
             cu = [0] + [sum(lens[:i + 1]) for i in range(len(lens))]
-            pl = seqpar.packed_layout(cu, method=case.method, group=group)
+            pl = packed_layout(cu, method=case.method, group=group)
             if case.method not in ("usp",):
                 w = [pl.work(r, case.causal) for r in range(pl.n)] if pl.n > 1 else [1]
                 row.extra.update(docs=len(lens), max_doc=max(lens), balance=max(w) * len(w) / sum(w),
                                  padding=pl.num_padding / pl.total_tokens)
-        local = [seqpar.shard(t, method=case.method, group=group, cu_seqlens=pl) for t in tensors]
-        stats = seqpar.CommStats()
+        local = [shard(t, method=case.method, group=group, cu_seqlens=pl) for t in tensors]
+        stats = CommStats()
         # methods whose two traffic directions get their own communicators (created once, collectively)
-        comm = seqpar.TokenRingGroups(group) if group is not None and case.method in _TWO_WAY else None
+        comm = TokenRingGroups(group) if group is not None and case.method in _TWO_WAY else None
         out, fwd, bwd, step, peak = _timed(case, local, group, stats=stats, comm=comm, cu=pl)
         if comm is not None:
             comm.destroy()
@@ -264,7 +269,7 @@ def run_case_on_rank(case: BenchCase) -> dict:
         row.busiest_link = int(_reduce(max(stats.busiest_link("fwd"), stats.busiest_link("bwd")), group))
         row.busiest_link_step = int(_reduce(stats.busiest_link_per_step("fwd"), group))
         row.peak_mem = int(_reduce(peak, group))
-        full = seqpar.unshard(out, method=case.method, group=group, cu_seqlens=pl)
+        full = unshard(out, method=case.method, group=group, cu_seqlens=pl)
         f_flops, b_flops = case_flops(case)
         row.tokens_per_s = (1 if pl is not None else case.batch) * case.seq_len / (row.step_ms * 1e-3)
         row.tflops = (f_flops + b_flops) / (row.step_ms * 1e-3) / 1e12
@@ -275,13 +280,13 @@ def run_case_on_rank(case: BenchCase) -> dict:
         if not dist.is_initialized() or dist.get_rank() == 0:
             pl1 = None
             if pl is not None:  # the same packed batch on one rank (its own, one-rank layout)
-                pl1 = seqpar.packed_layout(pl.cu_seqlens, method=case.method, group=solo)
-            one = tensors if pl1 is None else [seqpar.shard(t, method=case.method, cu_seqlens=pl1, group=solo)
+                pl1 = packed_layout(pl.cu_seqlens, method=case.method, group=solo)
+            one = tensors if pl1 is None else [shard(t, method=case.method, cu_seqlens=pl1, group=solo)
                                                 for t in tensors]
             out1, f1, b1, _, row.peak_mem_1 = _timed(case, one, solo, cu=pl1)
             row.fwd_ms_1, row.bwd_ms_1 = statistics.median(f1), statistics.median(b1)
             if pl1 is not None:
-                out1 = seqpar.unshard(out1, method=case.method, cu_seqlens=pl1, group=solo)
+                out1 = unshard(out1, method=case.method, cu_seqlens=pl1, group=solo)
             ref = out1.double()
             row.max_error = float((full.double() - ref).abs().max() / ref.abs().max())
             row.efficiency = (row.fwd_ms_1 + row.bwd_ms_1) / (n * row.step_ms)
@@ -295,16 +300,13 @@ def run_cases(cases: list[BenchCase], *, progress: bool = True) -> list[dict]:
     A case that fails (on any rank, or by timing out) gives a row with ``error`` set; the others run."""
     rows = []
     if launched():
-        from seqpar.comm.groups import launched_process_group
-
         with launched_process_group():
             return [run_case_on_rank(case) for case in
                     _progress(cases, "benchmarking", progress and os.environ.get("RANK", "0") == "0")]
-    for case in _progress(cases, "benchmarking", progress and os.environ.get("RANK", "0") == "0"):
-        from seqpar.testing import run_distributed
-
-        try:
-            rows.append(run_distributed(run_case_on_rank, case.world_size, case, timeout=3600)[0])
-        except Exception as exc:
-            rows.append(BenchRow(case, error=f"{type(exc).__name__}: {exc}").as_dict())
+    with LocalRanks() as ranks:
+        for case in _progress(cases, "benchmarking", progress):
+            try:
+                rows.append(ranks.run(run_case_on_rank, case.world_size, case, timeout=3600)[0])
+            except Exception as exc:
+                rows.append(BenchRow(case, error=f"{type(exc).__name__}: {exc}").as_dict())
     return rows

@@ -3,9 +3,9 @@
 For each rank and step the *schedule of the method itself* says which kernel calls the rank
 makes (:func:`rank_calls`): the ring family (``ring``, ``zigzag_ring``, ``striped_ring``,
 ``allgather_kv``, ``token_ring``, ``lightseq``) from the plan builder of the registry
-(:mod:`seqpar.attention.plans`, expanded to a :class:`~seqpar.attention.plans.Schedule`: the
+(:mod:`seqpar.softmax.plans`, expanded to a :class:`~seqpar.softmax.plans.Schedule`: the
 blocks of every task of every step); ``ulysses`` one full-length block per GQA head segment of the
-rank's head shard (:func:`seqpar.attention.ulysses.split_heads` / ``gqa_segments``); ``usp`` both
+rank's head shard (:func:`seqpar.softmax.ulysses.split_heads` / ``gqa_segments``); ``usp`` both
 (ring plan of the ring axis on the rank's head shard); the linear methods one local chunked
 GLA call on the rank's ``T/N`` tokens (``seqpar.kernels.linear_chunk``; the O(K·V) state scan
 between ranks is not timed).
@@ -21,7 +21,7 @@ measures kernel compute, its balance and the overhead of many small blocks). Rep
 - ``imbalance``: max over steps of (max / mean over ranks of that step's time);
 - ``bound`` / ``step_bound``: the same two ratios computed from the schedule's visible
   (query, key) pairs x heads instead of times: what a perfect kernel would reach. For causal
-  lightseq with even N the bound is about N/(N+1) (ALGORITHMS.md §3); for zigzag about 1.
+  lightseq with even N the bound is about N/(N+1) (docs/methods.md); for zigzag about 1.
 """
 
 from __future__ import annotations
@@ -31,9 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar.attention.registry import LINEAR_METHODS, REGISTRY
+from seqpar.comm.usp_groups import default_ulysses_degree
 from seqpar.kernels import block_backward, block_forward
 from seqpar.kernels.varlen import visible_pairs
+from seqpar.methods import DEFAULT_RING_METHOD
+from seqpar.methods import method as declared
+from seqpar.softmax.registry import dense_plan
+from seqpar.softmax.ulysses import gqa_segments, split_heads
 
 from .core import BenchCase, _sync
 
@@ -65,16 +69,13 @@ class KernelCall:
 
 def _ring_calls(method: str, rank: int, n: int, t_local: int, causal: bool, hq: int, hkv: int,
                 segments=None) -> list[list[KernelCall]]:
-    spec = REGISTRY[method]
-    sched = spec.plan(rank, n, t_local, causal, spec.transport).schedule(t_local)
+    sched = dense_plan(declared(method, kind="ring"), rank, n, t_local, causal).schedule(t_local)
     heads = segments or [(hq, hkv)]
     return [[KernelCall(b.q, b.kv, b.mask, t_local, t_local, sq, sk)
              for task in step.tasks for b in task.blocks for sq, sk in heads] for step in sched.steps]
 
 
 def _head_segments(hq: int, hkv: int, u: int, member: int) -> list[tuple[int, int]]:
-    from seqpar.attention.ulysses import gqa_segments, split_heads
-
     q_split, kv_split = split_heads(hq, hkv, u)
     segs = gqa_segments(q_split, kv_split, hq // hkv, member)
     return [(s.q.stop - s.q.start, s.kv.stop - s.kv.start) for s in segs]
@@ -85,7 +86,7 @@ def rank_calls(method: str, rank: int, n: int, seq_len: int, causal: bool, heads
     """The kernel calls rank ``rank`` of ``n`` makes at each step of ``method`` (outer list: steps),
     for a global length ``seq_len`` with ``heads`` query and ``kv_heads`` K,V heads (batch and head
     dim do not change the schedule). Host-only; built from the method's own schedule."""
-    if method in LINEAR_METHODS:
+    if not declared(method).softmax:
         c = seq_len // n
         return [[KernelCall(slice(0, c), slice(0, c), "causal", c, c, heads, heads, linear=True, first=rank == 0)]]
     mask = "causal" if causal else "none"
@@ -94,8 +95,6 @@ def rank_calls(method: str, rank: int, n: int, seq_len: int, causal: bool, heads
         return [[KernelCall(full, full, mask, seq_len, seq_len, sq, sk)
                  for sq, sk in _head_segments(heads, kv_heads, n, rank)]]
     if method == "usp":
-        from seqpar.attention.usp import DEFAULT_RING_METHOD, default_ulysses_degree
-
         u = ulysses_degree or default_ulysses_degree(n)
         r = n // u
         member, ring_rank = rank % u, rank // u  # blocks of U consecutive ranks form a Ulysses group

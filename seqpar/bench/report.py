@@ -13,10 +13,11 @@ import math
 import os
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
-import seqpar
+from seqpar._version import __version__
 
 NOTE_DIST = ("efficiency = single-rank time (same threads per rank) / (N x step time on N ranks); "
              "TFLOP/s: attention fwd 4·B·T²·Hq·D (x0.5 causal), bwd 2.5x fwd; linear fwd B·T·H·(2C(K+V)+4KV), "
@@ -32,7 +33,7 @@ def environment() -> dict:
     env = {
         "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "seqpar": seqpar.__version__, "platform": platform.platform(),
+        "seqpar": __version__, "platform": platform.platform(),
         "command": " ".join(["seqpar"] + sys.argv[1:]) if sys.argv and "seqpar" in sys.argv[0]
         else " ".join(sys.argv),
     }
@@ -150,3 +151,14 @@ def write_json(rows: list[dict], path: str) -> None:
     """``{"environment": {...}, "rows": [...]}``."""
     with open(path, "w") as f:
         json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+
+
+def write_rows(rows: list[dict], path: str, meta: dict, fmt: str = "json") -> None:
+    """``fmt="csv"``: one line per row; ``"json"``: ``{"meta": ..., "rows": [...]}``."""
+    if fmt == "csv":
+        with open(path, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    else:
+        Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

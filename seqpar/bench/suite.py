@@ -33,8 +33,10 @@ from __future__ import annotations
 import json
 import os
 
-from seqpar.attention.registry import LINEAR_METHODS, METHODS, REGISTRY
-from seqpar.layout import check_global_length
+from seqpar.comm.usp_groups import default_ulysses_degree
+from seqpar.layouts import USPLayout, layout_named
+from seqpar.methods import ALL_METHODS, DEFAULT_RING_METHOD, LINEAR_METHODS, METHODS
+from seqpar.methods import method as declared
 from seqpar.schedulers.data import parse_length
 
 from .core import BenchCase, launched, run_cases
@@ -55,10 +57,10 @@ def parse_methods(spec, field: str = "methods") -> list[str]:
     for item in (str(i).strip() for i in items):
         if item in METHOD_GROUPS:
             out += [m for m in METHOD_GROUPS[item] if m not in out]
-        elif item in REGISTRY:
+        elif item in ALL_METHODS:
             out += [item] if item not in out else []
         elif item:
-            raise ValueError(f"{field}: unknown method {item!r}; choose from {', '.join(REGISTRY)} "
+            raise ValueError(f"{field}: unknown method {item!r}; choose from {', '.join(ALL_METHODS)} "
                              f"or a group: {', '.join(METHOD_GROUPS)}")
     if not out:
         raise ValueError(f"{field}: no method given")
@@ -176,8 +178,8 @@ def validate_case(case: BenchCase, *, emulated: bool = False) -> None:
     """ValueError naming the field when a case cannot run: unknown method, impossible shapes for the
     method, or more ranks than can be had. Host-only, before anything runs."""
     where = f"{case.method} T={case.seq_len} N={case.world_size}"
-    if case.method not in REGISTRY:
-        raise ValueError(f"methods: unknown method {case.method!r}; choose from {', '.join(REGISTRY)}")
+    if case.method not in ALL_METHODS:
+        raise ValueError(f"methods: unknown method {case.method!r}; choose from {', '.join(ALL_METHODS)}")
     n = case.world_size
     if not emulated:
         if launched():
@@ -205,16 +207,14 @@ def validate_case(case: BenchCase, *, emulated: bool = False) -> None:
     if case.packed_seed is not None:
         return  # packed batches are padded per document: any total length fits
     if case.method == "ulysses":
-        check_global_length(case.seq_len, n, "contiguous", method="ulysses", argument="seq_lens")
+        layout_named("contiguous").check_length(case.seq_len, n, method="ulysses", argument="seq_lens")
         if case.heads % n:
             raise ValueError(f"heads: {where}: ulysses gives every rank heads/N query heads; heads={case.heads} "
                              f"is not divisible by N={n} (use usp, or a ring-family method)")
     elif case.method == "usp":
-        from seqpar.attention.usp import DEFAULT_RING_METHOD, default_ulysses_degree, usp_length_multiple
-
         u = default_ulysses_degree(n)
         r = n // u
-        mult = usp_length_multiple(u, r, DEFAULT_RING_METHOD)
+        mult = USPLayout(layout_named(declared(DEFAULT_RING_METHOD).layout), u, r).multiple(n)
         if case.seq_len % mult:
             raise ValueError(f"seq_lens: {where}: usp with ulysses_degree={u} x {r} ring ranks of "
                              f"{DEFAULT_RING_METHOD} needs a multiple of R*lcm(2, U) = {mult}; "
@@ -223,8 +223,8 @@ def validate_case(case: BenchCase, *, emulated: bool = False) -> None:
             raise ValueError(f"heads: {where}: usp gives every rank heads/U query heads; heads={case.heads} "
                              f"is not divisible by ulysses_degree U={u}")
     else:
-        check_global_length(case.seq_len, n, REGISTRY[case.method].layout, method=case.method,
-                            argument="seq_lens")
+        layout_named(declared(case.method).layout).check_length(case.seq_len, n, method=case.method,
+                                                                 argument="seq_lens")
 
 
 def run_linear_cases(methods, seq_lens, sizes, *, heads=4, key_dim=64, value_dim=64, repeats=3,

@@ -21,11 +21,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 
 import torch
 
+from .channels import TokenRingGroups
 from .collectives import all_gather_stack
-from .groups import GroupInfo
+from .groups import GroupInfo, group_info
+from .usp_groups import describe_usp
 
 ENV_VAR = "SEQPAR_CHECK_RANKS"
 FINGERPRINT_BYTES = 8192  # fixed size (an all-gather needs one size on every rank)
@@ -167,3 +170,37 @@ def _disagreements(ranks: tuple[int, ...], rows: list[dict]) -> list[str]:
             if mine != value:
                 out.append(f"rank {ranks[i]} passed {key} {mine} but rank {ranks[0]} passed {value}")
     return out
+
+
+def agreement_groups(group, *, usp: bool = False, ulysses_degree: int | None = None) -> list[GroupInfo]:
+    """The group(s) whose ranks must agree: the flat group, or for usp given as a mesh or a pair
+    of groups its two axes (agreement along both axes is agreement of all, transitively)."""
+    if isinstance(group, TokenRingGroups):
+        group = group.group
+    if not usp:
+        return [group_info(group)]
+    axes = describe_usp(group, ulysses_degree)
+    if axes.flat is not None:
+        return [axes.flat]
+    return [info for info in (axes.ulysses, axes.ring) if info is not None]
+
+
+def check_same_on_ranks(cu_host: Sequence[int], group=None, *, device=None,
+                        argument: str = "cu_seqlens") -> None:
+    """Cheap collective check that every rank passed the same ``cu_seqlens``.
+
+    All-gathers a 3-number fingerprint (count, total, weighted checksum) on ``device``
+    (default CPU; pass the CUDA device under NCCL). Every rank sees every fingerprint, so
+    every rank raises the same ``ValueError`` and none is left waiting.
+    """
+    info = group_info(group)
+    if info.single:
+        return
+    p = (1 << 61) - 1
+    fp = torch.tensor([len(cu_host), cu_host[-1], sum((i + 1) * x for i, x in enumerate(cu_host)) % p],
+                      dtype=torch.int64, device=device)
+    got = all_gather_stack(info, fp, name="check_cu_seqlens").cpu()
+    bad = [r for r in range(info.size) if not torch.equal(got[r], got[0])]
+    if bad:
+        raise ValueError(f"{argument} differs across ranks (ranks {bad} disagree with rank 0): pass the same "
+                         "global cu_seqlens on every rank of the group")

@@ -6,7 +6,6 @@ not initialised), a ``ProcessGroup``, or a 1-D ``DeviceMesh``. Nothing is cached
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -71,30 +70,3 @@ def group_info(group=None, *, argument: str = "group") -> GroupInfo:
     else:
         ranks = tuple(dist.get_process_group_ranks(pg))
     return GroupInfo(pg, rank, size, ranks)
-
-
-@contextlib.contextmanager
-def launched_process_group():
-    """For ranks started by a launcher (torchrun): the default process group for the body, NCCL on
-    the local GPU when CUDA is available, else gloo. One created here is destroyed on exit, after a
-    barrier when the body succeeded, so no rank tears down its connections while another one still
-    talks (gloo aborts a rank whose peer vanished mid-teardown). One that already existed is kept."""
-    owned = not dist.is_initialized()
-    if owned:
-        import os
-
-        import torch
-
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
-    ok = False
-    try:
-        yield
-        ok = True
-    finally:
-        if owned:
-            if ok:
-                dist.barrier()
-            dist.destroy_process_group()

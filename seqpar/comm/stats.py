@@ -3,7 +3,7 @@
 Every primitive in :mod:`seqpar.comm` takes an optional :class:`CommStats` and adds the bytes
 *this rank sends* under the primitive's name. Nothing is global: the caller owns the counter and
 passes it in (``seqpar.attention(..., stats=CommStats())``), so tests and benchmarks read exact
-per-rank volumes and compare them with the formulas of ALGORITHMS.md §8.
+per-rank volumes and compare them with the formulas of docs/methods.md.
 """
 
 from __future__ import annotations

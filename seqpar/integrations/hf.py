@@ -18,31 +18,31 @@ and no label is lost at a shard edge (labels are shifted before sharding).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
-import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import seqpar
-from seqpar.attention.registry import method_spec
-from seqpar.comm import group_info
+from ..comm import group_info
+from ..layouts import shard
+from ..methods import method as declared
+from ..softmax import attention
 
 __all__ = ["IGNORE_INDEX", "ShardedInputs", "apply_context_parallel", "context_parallel_loss",
-           "packed_attention_supported", "packed_position_ids", "shard_inputs", "shift_labels"]
+           "packed_position_ids", "shard_inputs", "shift_labels"]
 
 IGNORE_INDEX = -100  # the label value transformers' and torch's cross-entropy skip
 
 # seqpar.attention keywords this integration sets itself; the others may be passed as options.
 _BOUND = {"group", "method", "causal", "softmax_scale", "cu_seqlens"}
 _PROBE_NAME = "seqpar_probe"
-_NAMES = itertools.count()  # unique registration names; holds no group or option
 
 
 def _attention_options() -> tuple[str, ...]:
-    params = inspect.signature(seqpar.attention).parameters.values()
+    params = inspect.signature(attention).parameters.values()
     return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _BOUND)
 
 
@@ -91,7 +91,7 @@ def _make_attention(group, method: str, options: dict):
             dtype = torch.get_autocast_dtype(query.device.type)
         # [B, H, T, D] -> seqpar's [B, T, H, D]; rotary embeddings may have promoted q, k but not v
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
-        out = seqpar.attention(q, k, v, group=group, method=method, causal=bool(causal),
+        out = attention(q, k, v, group=group, method=method, causal=bool(causal),
                                softmax_scale=scaling, cu_seqlens=cu_seqlens, **options)
         return out, None
 
@@ -177,8 +177,9 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
             ``grad_comm_dtype``).
     Returns:
         ``model`` itself. Its attention is registered with transformers' ``AttentionInterface``
-        under a name unique to this call, bound to ``group``, ``method`` and ``options`` (a closure:
-        nothing global holds the group), and selected with ``model.set_attn_implementation``.
+        under a name derived from ``group``, ``method`` and ``options`` (the same call registers the
+        same name again, so repeated calls add nothing), bound to them (a closure: nothing global of
+        seqpar holds the group), and selected with ``model.set_attn_implementation``.
 
     The model then expects this rank's shard from :func:`shard_inputs`: q ``[B, T_local, Hq, D]``,
     K,V with Hkv heads (GQA stays unexpanded), causal masking in global token order
@@ -189,7 +190,7 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
     """
     if not hasattr(model, "config") or not isinstance(model, torch.nn.Module):
         raise ValueError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
-    method_spec(method, argument="method", softmax_only=True)
+    declared(method, kind="softmax")
     group_info(group)  # validates the type now, not inside the first forward
     allowed = _attention_options()
     unknown = sorted(set(options) - set(allowed))
@@ -199,7 +200,7 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
     layers_name, layers = _decoder_layers(model)
     attention_modules = [_attention_of(f"{layers_name}.{i}", layer) for i, layer in enumerate(layers)]
     previous = getattr(model.config, "_attn_implementation", None)
-    name = f"seqpar_cp{next(_NAMES)}"
+    name = _registration_name(group, method, options)
     try:
         _check_dispatch(model, attention_modules)
         _interface().register(name, _make_attention(group, method, dict(options)))
@@ -209,6 +210,17 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
             _set_implementation(model, previous)
         raise
     return model
+
+
+def _registration_name(group, method: str, options: dict) -> str:
+    """The ``AttentionInterface`` name of one (group, method, options): equal arguments give the same
+    name, so applying the same context parallelism again (every model of a run, every layer type)
+    overwrites one registration instead of adding one per call."""
+    info = group_info(group)
+    plain = (str, int, float, bool, type(None))
+    opts = sorted((k, v if isinstance(v, plain) else f"object {id(v)}") for k, v in options.items())
+    key = repr((method, info.global_ranks, id(info.group), opts))
+    return f"seqpar_cp_{method}_{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -319,7 +331,7 @@ def shard_inputs(input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
     targets = shift_labels(labels, cu)
     # Shard the token index (1-based so that padding the library adds, zero-filled, stands out),
     # then gather every token-indexed tensor by it: one layout for ids, positions and labels.
-    index = seqpar.shard(torch.arange(1, T + 1, device=device)[None], group=group, method=method, dim=1,
+    index = shard(torch.arange(1, T + 1, device=device)[None], group=group, method=method, dim=1,
                          cu_seqlens=cu)[0] - 1
     valid = index >= 0
     take = index.clamp(min=0)
@@ -365,26 +377,3 @@ def context_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group=None
         dist.all_reduce(total, group=info.group)
     share = local / count.to(local.dtype)
     return share + (total / count).to(local.dtype) - share.detach()
-
-
-# ----------------------------------------------------------------------------- capability probe
-
-
-def packed_attention_supported(method: str = "zigzag_ring") -> tuple[bool, str]:
-    """Whether this seqpar accepts packed documents (``cu_seqlens``) for ``method``: ``(ok, reason)``.
-
-    Runs a tiny single-device shard/attention/unshard with two documents, so it must be called
-    before ``torch.distributed`` is initialised (a multi-rank call would be a collective).
-    """
-    if dist.is_available() and dist.is_initialized():
-        raise RuntimeError("packed_attention_supported() runs a single-device probe: call it before "
-                           "torch.distributed.init_process_group")
-    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
-    x = torch.randn(1, 5, 2, 8)
-    try:
-        local = seqpar.shard(x, method=method, cu_seqlens=cu)
-        out = seqpar.attention(local, local, local, method=method, causal=True, cu_seqlens=cu)
-        seqpar.unshard(out, method=method, cu_seqlens=cu)
-    except NotImplementedError as exc:
-        return False, str(exc)
-    return True, ""

@@ -15,9 +15,7 @@ rank follows the same one. Everything after that is the scheduler's executor:
 The runner only adds what is specific to a transformers model: one registered attention per
 (group, method) it meets (switched with ``set_attn_implementation``), and the group's sequences,
 each a ``[seq_len]`` stream of packed documents, concatenated into one packed stream whose document
-boundaries are the documents' (``shard_inputs(cu_seqlens=...)``). Without packed-attention support
-the sequences run one after another instead (documents inside a sequence then see each other, as in
-the fixed-degree trainer).
+boundaries are the documents' (``shard_inputs(cu_seqlens=...)``).
 """
 
 from __future__ import annotations
@@ -27,10 +25,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..methods import ADAPTIVE_METHODS
 from .hf import apply_context_parallel, shard_inputs
-from .trainer import token_loss
-
-RING_FAMILY = ("zigzag_ring", "striped_ring", "ring", "allgather_kv")  # 1-D groups, any head counts
+from .trainer_step import token_loss
 
 
 class AdaptiveRunner:
@@ -49,8 +46,7 @@ class AdaptiveRunner:
     """
 
     def __init__(self, model, world: int, rank: int, time_limit: float = 0.1, cost_model=None, cluster=None):
-        import seqpar
-        from seqpar.schedulers import SOFTMAX_METHODS, ClusterSpec, GroupCache
+        from seqpar.schedulers import ClusterSpec, GroupCache
 
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("--adaptive: needs a process group (run with --nproc N >= 2 or under torchrun)")
@@ -59,8 +55,7 @@ class AdaptiveRunner:
         self.cluster = cluster if cluster is not None else ClusterSpec(world_size=world, ranks_per_node=world)
         if self.cluster.world_size != world:
             raise ValueError(f"cluster: plans for {self.cluster.world_size} ranks but the world has {world}")
-        self.methods = [m for m in RING_FAMILY if m in SOFTMAX_METHODS and m in seqpar.METHODS
-                        and (cost_model is None or m in cost_model.method_names)]
+        self.methods = [m for m in ADAPTIVE_METHODS if cost_model is None or m in cost_model.method_names]
         self.groups = GroupCache()  # every aligned block, built once; collective over the world
         self.implementations: dict[tuple[int, int, str], str] = {}
 
@@ -84,7 +79,7 @@ class AdaptiveRunner:
             self.model.set_attn_implementation(self.implementations[key])
 
     def step(self, plan, seq_lens: list[int], sequence: Callable[[int], tuple[torch.Tensor, list[int]]],
-             params, *, packed: bool, device: torch.device, autocast) -> float:
+             params, *, device: torch.device, autocast) -> float:
         """Forward and backward of one batch under ``plan``; returns the global loss (every rank).
 
         ``sequence(i)`` gives batch entry ``i`` as ``(tokens [seq_len] int64, document cu_seqlens)``.
@@ -95,15 +90,12 @@ class AdaptiveRunner:
         def loss_fn(work):
             self.use(work)
             items = [sequence(i) for i in work.seqs]
-            if packed:  # the group's sequences as one packed stream of their documents
-                tokens = torch.cat([t for t, _ in items])[None].to(device)
-                cu, offset = [0], 0
-                for t, doc_cu in items:
-                    cu.extend(offset + c for c in doc_cu[1:])
-                    offset += t.numel()
-                shards = [shard_inputs(tokens, cu_seqlens=cu, group=work.group, method=work.method)]
-            else:
-                shards = [shard_inputs(t[None].to(device), group=work.group, method=work.method) for t, _ in items]
+            tokens = torch.cat([t for t, _ in items])[None].to(device)  # one packed stream of their documents
+            cu, offset = [0], 0
+            for t, doc_cu in items:
+                cu.extend(offset + c for c in doc_cu[1:])
+                offset += t.numel()
+            shards = [shard_inputs(tokens, cu_seqlens=cu, group=work.group, method=work.method)]
             loss_sum, count = None, 0
             for b in shards:
                 ce = token_loss(self.model, b, autocast)

@@ -4,14 +4,12 @@ run before any rank starts (so bad input fails once, fast, with the flag to chan
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from seqpar import METHODS
-from seqpar.layout import LAYOUT_MULTIPLE, layout_of
+from seqpar.methods import ADAPTIVE_METHODS, METHODS
 
 from .trainer_data import VOCAB_SIZE, TextFiles, default_data_dir
 
@@ -174,38 +172,6 @@ def global_batch(cfg: TrainConfig, world: int) -> int:
     return cfg.batch_size if cfg.batch_size is not None else world // cfg.context_parallel
 
 
-def required_multiple(method: str, cp: int) -> int:
-    return LAYOUT_MULTIPLE[layout_of(method)] * cp
-
-
-def feature_missing(feature: str) -> str | None:
-    """Why ``--adaptive`` / ``--checkpointing attention`` cannot run in this version (None: it can).
-
-    Detected by import, so the flags start working when the modules land.
-    """
-    if feature == "attention_checkpointing":
-        try:
-            module = importlib.import_module("seqpar.attention.checkpoint")
-        except ImportError:
-            return ("--checkpointing attention: rematerialisation-aware checkpointing (seqpar.checkpoint) is not "
-                    "available in this version of seqpar; use --checkpointing layer")
-        if not callable(getattr(module, "apply_checkpointing", None)):
-            return ("--checkpointing attention: seqpar.checkpoint has no apply_checkpointing(model, mode=...) in "
-                    "this version; use --checkpointing layer")
-        return None
-    if feature == "adaptive":
-        try:
-            schedulers = importlib.import_module("seqpar.schedulers")
-        except ImportError as exc:
-            return (f"--adaptive: the adaptive scheduler (seqpar.schedulers) is not available in this version of "
-                    f"seqpar ({exc}); run with a fixed --context-parallel")
-        if not all(hasattr(schedulers, n) for n in ("plan_batch", "ClusterSpec", "local_batch")):
-            return ("--adaptive: seqpar.schedulers has no plan_batch / ClusterSpec / local_batch in this version; "
-                    "run with a fixed --context-parallel")
-        return None
-    raise ValueError(feature)
-
-
 def adaptive_models(cfg: TrainConfig, world: int, model_config):
     """(ClusterSpec, CostModel) for ``--adaptive`` (``(None, None)``: the scheduler's defaults).
 
@@ -215,17 +181,14 @@ def adaptive_models(cfg: TrainConfig, world: int, model_config):
     """
     if cfg.calibration is None:
         return None, None
-    from seqpar.schedulers.calibrate import load_calibration
-    from seqpar.schedulers.simulate import rescale_cost_model
-
-    from .trainer_adaptive import RING_FAMILY
+    from seqpar.schedulers.calibration import load_calibration, rescale_cost_model
 
     cluster, cost = load_calibration(cfg.calibration)
-    usable = [m for m in cost.method_names if m in RING_FAMILY]
+    usable = [m for m in cost.method_names if m in ADAPTIVE_METHODS]
     if not usable:
         raise ValueError(f"--calibration {cfg.calibration}: calibrates {', '.join(cost.method_names)}, none of the "
-                         f"methods --adaptive runs ({', '.join(RING_FAMILY)}); calibrate with --methods "
-                         f"{','.join(RING_FAMILY)}")
+                         f"methods --adaptive runs ({', '.join(ADAPTIVE_METHODS)}); calibrate with --methods "
+                         f"{','.join(ADAPTIVE_METHODS)}")
     c = model_config
     heads = c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", None) or heads
@@ -234,11 +197,10 @@ def adaptive_models(cfg: TrainConfig, world: int, model_config):
     return cluster.with_world_size(world), cost
 
 
-def validate(cfg: TrainConfig, world: int, packed: bool = False) -> TextFiles:
+def validate(cfg: TrainConfig, world: int) -> TextFiles:
     """Every check that needs no process group; raises ValueError naming the flag. Returns the data index.
 
-    ``packed``: seqpar supports packed documents, so it pads every document to the layout itself and
-    any ``--seq-len`` fits; without it the dense sequence must fit the layout.
+    Any ``--seq-len`` fits: sequences are packed documents, which seqpar pads to the layout itself.
     """
     positive = {"--seq-len": cfg.seq_len, "--context-parallel": cfg.context_parallel, "--steps": cfg.steps,
                 "--nproc": cfg.nproc, "--log-every": cfg.log_every}
@@ -259,23 +221,9 @@ def validate(cfg: TrainConfig, world: int, packed: bool = False) -> TextFiles:
     batch = global_batch(cfg, world)
     if batch < 1 or (batch % dp and not cfg.adaptive):  # adaptive plans its own groups
         raise ValueError(f"--batch-size {batch}: must be a positive multiple of the {dp} data-parallel groups")
-    largest = world if cfg.adaptive else cp  # adaptive groups can span the whole world
-    multiple = required_multiple(cfg.cp_method, largest)
-    if cfg.adaptive:
-        if world & (world - 1):
-            raise ValueError(f"--adaptive: the scheduler tiles the ranks with power-of-two groups; {world} ranks "
-                             "is not a power of two")
-        multiple = 2 * world  # any method of any group size up to the world (zigzag needs 2N)
-    if cfg.seq_len % multiple and not packed:
-        fit = -(-cfg.seq_len // multiple) * multiple
-        what = "the adaptive groups" if cfg.adaptive else f"--cp-method {cfg.cp_method}"
-        raise ValueError(f"--seq-len {cfg.seq_len} cannot be split for {what} over {largest} ranks: the token "
-                         f"layout needs a multiple of {multiple}; use "
-                         f"--seq-len {fit} (or {max(fit - multiple, multiple)})")
-    if cfg.checkpointing == "attention" and (why := feature_missing("attention_checkpointing")):
-        raise ValueError(why)
-    if cfg.adaptive and (why := feature_missing("adaptive")):
-        raise ValueError(why)
+    if cfg.adaptive and world & (world - 1):
+        raise ValueError(f"--adaptive: the scheduler tiles the ranks with power-of-two groups; {world} ranks "
+                         "is not a power of two")
     if cfg.calibration is not None:
         if not cfg.adaptive:
             raise ValueError("--calibration: only the adaptive scheduler plans with a cost model; add --adaptive "

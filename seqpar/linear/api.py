@@ -6,9 +6,14 @@ import math
 
 import torch
 
-from ..comm.agreement import agreed, check_ranks_enabled, offsets_fingerprint, shape_of
+from ..comm.agreement import (
+    agreed,
+    check_ranks_enabled,
+    check_same_on_ranks,
+    offsets_fingerprint,
+    shape_of,
+)
 from ..comm.groups import group_info
-from ..packing import check_same_on_ranks
 from ..comm.stats import CommStats
 from .geometry import build_shard, check_cu_seqlens
 from .kernels import fla_refusal, select_kernel

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-
 @dataclass(frozen=True)
 class LinearShard:
     """This rank's shard: the local sequences the kernel sees and how the state rows attach to them.
@@ -53,11 +52,11 @@ class LinearShard:
 def check_cu_seqlens(cu_seqlens, *, batch: int, t_local: int, world: int) -> list[int]:
     """Validate a global ``cu_seqlens`` for a contiguous linear-attention shard.
 
-    The offsets themselves are checked by :func:`seqpar.packing.check_cu_seqlens` (the one check
+    The offsets themselves are checked by :func:`seqpar.layouts.packed.check_cu_seqlens` (the one check
     every method shares); this adds what is specific here: packed input has batch size 1 and the
     offsets cover ``N * T_local`` tokens (no padding: linear attention needs none).
     """
-    from ..packing import check_cu_seqlens as check_offsets
+    from ..layouts.packed import check_cu_seqlens as check_offsets
 
     if batch != 1:
         raise ValueError(f"cu_seqlens: packed input must have batch size 1 ([1, T_local, H, K]), got B={batch}")

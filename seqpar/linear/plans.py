@@ -17,9 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.allscan import ChainScan, allgather_start, broadcast_from, fold_forward, fold_reverse, reduce_to
+from ..comm.allscan import (
+    ChainScan,
+    allgather_start,
+    broadcast_from,
+    fold_forward,
+    fold_reverse,
+    reduce_to,
+)
 from ..comm.groups import GroupInfo
 from ..comm.stats import CommStats
+from ..methods import LINEAR_METHODS
+from ..methods import method as declared
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,7 @@ class ScanPlan:
             raise ValueError(f"method: ScanPlan.n_blocks must be a positive int, got {self.n_blocks!r}")
 
 
+#: the scan plans, by the ``plan`` name of the linear methods' declarations (seqpar.methods)
 PLANS: dict[str, ScanPlan] = {
     # All-Scan: 4 row blocks of K pipeline the chain (about one state transfer plus N-1 block
     # latencies); the blocks are forwarded by a helper thread while the intra-chunk part computes.
@@ -49,14 +59,13 @@ PLANS: dict[str, ScanPlan] = {
     # LASP-1: the same chain, whole state at once, after the local compute.
     "lasp1": ScanPlan("lasp1", "chain", n_blocks=1, overlap=False),
 }
-LINEAR_METHODS: tuple[str, ...] = tuple(PLANS)
 
 
 def resolve_plan(method) -> ScanPlan:
     if isinstance(method, ScanPlan):
         return method
-    if isinstance(method, str) and method in PLANS:
-        return PLANS[method]
+    if isinstance(method, str) and method in LINEAR_METHODS:
+        return PLANS[declared(method, kind="linear").plan]
     raise ValueError(f"method={method!r} is not a linear-attention method; choose one of "
                      f"{', '.join(LINEAR_METHODS)} (or pass a seqpar.linear.ScanPlan)")
 

@@ -1,4 +1,4 @@
-"""Heterogeneity-adaptive scheduling (ALGORITHMS.md §7): per batch, which ranks form which
+"""Heterogeneity-adaptive scheduling (seqpar/schedulers/README.md): per batch, which ranks form which
 sequence-parallel groups, which method each group runs, and which sequences it processes.
 
 Planning needs numpy (and scipy for the MILP; without it the greedy planner is used). Nothing here
@@ -14,7 +14,14 @@ torch and is imported on first use of those names.
 
 from .ahead import PlanAhead
 from .cluster import ClusterSpec
-from .cost import KNOWN_METHODS, LINEAR_METHODS, SOFTMAX_METHODS, CostModel, GroupCoeffs, MethodCost
+from .cost import (
+    KNOWN_METHODS,
+    LINEAR_METHODS,
+    SOFTMAX_METHODS,
+    CostModel,
+    GroupCoeffs,
+    MethodCost,
+)
 from .data import fit_to_cluster, sample_lengths, stdlib_lengths
 from .greedy import best_static_plan, greedy_plan, static_plan
 from .plan import GroupPlan, Plan, local_batch

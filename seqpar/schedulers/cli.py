@@ -49,7 +49,7 @@ def read_lengths(path: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqpar plan", description="Plan sequence-parallel groups, methods and "
-                                "sequence assignment for one batch (ALGORITHMS.md §7) and compare with the best "
+                                "sequence assignment for one batch (seqpar/schedulers/README.md) and compare with the best "
                                 "static plan (one SP degree and method for the whole batch).")
     p.add_argument("lengths", nargs="?", help="file of sequence lengths (one per line, or a JSON list)")
     p.add_argument("--dist", choices=DISTRIBUTIONS, help="sample lengths from a built-in distribution instead")

@@ -1,4 +1,4 @@
-"""Cost model of one training step of a sequence-parallel group (ALGORITHMS.md §7 and §8).
+"""Cost model of one training step of a sequence-parallel group (seqpar/schedulers/README.md).
 
 A group of ``d`` ranks runs a packed batch of sequences ``S`` with one method. With
 ``S1 = Σ s`` and ``S2 = Σ s²`` its step time (forward + backward, all layers) is
@@ -24,16 +24,17 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from ..methods import BY_PREFERENCE
+from ..methods import method as declared
 from .cluster import ClusterSpec, _lookup, _size_table, is_power_of_two
-from .schedule_terms import _schedule_bytes, attention_factor
+from .cost_comm import comm_parts, method_buffers
+from .schedule_terms import attention_factor
 
-SOFTMAX_METHODS = ("zigzag_ring", "ulysses", "usp", "token_ring", "lightseq", "allgather_kv",
-                   "striped_ring", "ring")
-LINEAR_METHODS = ("zeco", "lasp2")
-KNOWN_METHODS = SOFTMAX_METHODS + LINEAR_METHODS
+#: every method the cost model knows, in the planner's order of preference (seqpar.methods)
+KNOWN_METHODS = BY_PREFERENCE
+SOFTMAX_METHODS = tuple(n for n in KNOWN_METHODS if declared(n).softmax)
+LINEAR_METHODS = tuple(n for n in KNOWN_METHODS if not declared(n).softmax)
 _REQUIRED_COEFFS = ("alpha1", "alpha2", "beta1", "m_token", "m_model")
-# Communication structure of each method (see _comm_terms): "ring" moves K,V per step under compute.
-_RING_FAMILY = ("ring", "zigzag_ring", "striped_ring")
 
 # Default GPU numbers (H100 SXM, bf16), used by CostModel.default():
 #   attention: 400e12 FLOP/s effective for flash attention fwd+bwd (FA2/FA3 reach 350-600 TFLOP/s on
@@ -49,21 +50,6 @@ GPU_ATTENTION_FLOPS = 400e12
 GPU_GEMM_FLOPS = 450e12
 GPU_BETA1 = 1e-3
 GPU_M_MODEL = 12e9
-
-
-def method_buffers(method: str, hidden: int, kv_hidden: int, n_heads: int, e: int) -> tuple[float, float]:
-    """Extra bytes per token a method holds: (divided over the group, held in full by every rank).
-
-    Ulysses/USP: full-length q, k, v, out of H/d heads; ring family and LightSeq: a K,V double buffer;
-    TokenRing: q in flight and fp32 partial outputs; all-gather KV: the gathered K,V and fp32 dK,dV.
-    """
-    return {
-        "ulysses": (2 * (hidden + kv_hidden) * e, 0.0), "usp": (2 * (hidden + kv_hidden) * e, 0.0),
-        "ring": (4 * kv_hidden * e, 0.0), "zigzag_ring": (4 * kv_hidden * e, 0.0),
-        "striped_ring": (4 * kv_hidden * e, 0.0), "lightseq": (4 * kv_hidden * e, 0.0),
-        "token_ring": (4 * (hidden + n_heads) * 4, 0.0),
-        "allgather_kv": (0.0, 2 * kv_hidden * e + 2 * kv_hidden * 4),
-    }.get(method, (0.0, 0.0))
 
 
 @dataclass(frozen=True)
@@ -208,7 +194,7 @@ class CostModel:
         alpha2 = 2·passes·P / gemm_flops with P = layers·(2·hidden² + 2·hidden·kv_hidden + 3·hidden·ffn)
         + vocab·hidden, where ``passes`` is 3.5 for attention (backward ≈ 2.5× forward) and 3 for the
         weights (backward = 2× forward), each +1 forward when activations are recomputed.
-        Linear-attention methods (zeco, lasp2) get alpha1 = 0 and the chunked (chunk 64) linear
+        Linear-attention methods (zeco, lasp2, lasp1) get alpha1 = 0 and the chunked (chunk 64) linear
         attention FLOPs, ~(2·64 + 4·head_dim)·hidden per token and layer × passes, at half the rate.
 
         checkpointing: ``"layer"`` (the default; what long-context training uses): only each decoder
@@ -262,7 +248,7 @@ class CostModel:
     def supports(self, method: str, group_size: int) -> bool:
         """Whether ``method`` can run on a group of this size (Ulysses needs n_heads % size == 0)."""
         self.coeffs(method)
-        return not (method == "ulysses" and self.n_heads % group_size)
+        return not (declared(method).family == "ulysses" and self.n_heads % group_size)
 
     def default_methods(self) -> tuple[str, ...]:
         """Methods a plan may use by default: the softmax ones (or the linear ones when only those)."""
@@ -306,54 +292,8 @@ class CostModel:
                 ka * c.kernel(d) * c.alpha1 * attention_factor(method, d, slowdown) / d)
 
     def comm_parts(self, method: str, d: int, cluster: ClusterSpec) -> tuple[list[tuple], float]:
-        """Communication of one step, all layers, fwd+bwd, per rank of a group of ``d``.
-
-        Returns ``(parts, latency_seconds)``; each part is ``(bytes_per_token, const_bytes, overlapped,
-        link_size, kind)``: ``bytes_per_token·S1 + const_bytes`` bytes a rank sends (``all_gather``:
-        receives) over the link of an aligned group of ``link_size`` ranks, measured as ``kind``
-        (see :meth:`ClusterSpec.bandwidth`). Volumes are what seqpar's implementations send (causal,
-        docs/methods.md, asserted byte for byte by their tests through ``CommStats``) with c = S1/d
-        tokens per rank: the ring family sends K,V d-1 hops forward, again in backward, plus d hops
-        of the fp32 dK,dV accumulators; all-gather KV gathers K,V twice and reduce-scatters fp32
-        dK,dV; Ulysses' all-to-alls move the same volume in backward as forward; TokenRing and
-        LightSeq count the busiest rank's sends of their causal schedules (:func:`_schedule_bytes`).
-        """
-        if d == 1:
-            return [], 0.0
-        h, hk, H, L, e = self.hidden, self.kv_hidden, self.n_heads, self.layers, self.bytes_per_element
-        acc = self.grad_bytes_per_element
-        f = (d - 1) / d
-        lat = cluster.latency(d)
-        if method == "ulysses":  # (d-1)/d·c·(2h+2hk) per pass, fwd + bwd, not overlapped
-            return [(f * (2 * h + 2 * hk) * e / d * 2 * L, 0.0, False, d, "all_to_all")], \
-                8 * L * cluster.latency(d, "all_to_all")
-        if method in _RING_FAMILY:  # K,V (d-1)·c·2hk fwd and bwd + d·c·2hk fp32 dK,dV; overlapped
-            return [((2 * f * e + acc) * 2 * hk * L, 0.0, True, d, "p2p")], 2 * (d - 1) * L * lat
-        if method == "allgather_kv":  # gather K,V fwd and bwd, reduce-scatter fp32 dK,dV; not overlapped
-            return [(f * 2 * hk * (2 * e + acc) * L, 0.0, False, d, "all_gather")], \
-                3 * L * cluster.latency(d, "all_gather")
-        if method in ("token_ring", "lightseq"):  # busiest rank of the causal schedule, overlapped
-            per_c = _schedule_bytes(method, d, H, hk // (h // H), h // H, e, acc)
-            steps = d - 1 if method == "token_ring" else d // 2
-            return [(per_c / d * L, 0.0, True, d, "p2p")], 2 * (steps + 1) * L * lat
-        if method == "usp":  # Ulysses over u ranks inside a node, ring over r = d/u across
-            u = min(d, cluster.ranks_per_node)
-            while H % u:
-                u //= 2
-            r = d // u
-            parts = []
-            if u > 1:
-                parts.append(((u - 1) / u * (2 * h + 2 * hk) * e / d * 2 * L, 0.0, False, u, "all_to_all"))
-            if r > 1:
-                parts.append(((2 * (r - 1) / r * e + acc) * 2 * hk / u * L, 0.0, True, d, "p2p"))
-            return parts, (8 * L * cluster.latency(u, "all_to_all") if u > 1 else 0.0) + 2 * (r - 1) * L * lat
-        head_dim = h // H
-        if method == "zeco":  # one state H·K·V = h·head_dim per layer and pass, pipelined chain
-            return [(0.0, 2 * L * h * head_dim * e, False, d, "p2p")], 2 * L * (d - 1) * lat
-        if method == "lasp2":  # all-gather of (d-1)·H·K·(V+1) per layer and pass
-            return [(0.0, 2 * L * (d - 1) * h * (head_dim + 1) * e, False, d, "all_gather")], \
-                2 * L * cluster.latency(d, "all_gather")
-        raise ValueError(f"method={method!r} has no communication model")
+        """Communication of one step per rank of a group of ``d``: see :func:`.cost_comm.comm_parts`."""
+        return comm_parts(self, method, d, cluster)
 
     def comm_bytes(self, method: str, group_size: int, tokens: float, cluster: ClusterSpec) -> float:
         """Bytes one rank sends (all-gather: receives) in one step of a group holding ``tokens`` in all."""

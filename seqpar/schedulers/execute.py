@@ -1,7 +1,7 @@
 """Running a :class:`~seqpar.schedulers.plan.Plan`: process groups, packed batches, a training step.
 
-The planner's output is plain data; this module turns it into work on one rank (ALGORITHMS.md §7,
-issue 8 item 2):
+The planner's output is plain data; this module turns it into work on one rank
+(seqpar/schedulers/README.md):
 
 * :class:`GroupCache` builds, once, every aligned power-of-two process group a plan may use.
   ``dist.new_group`` is collective over the *world*, so every rank creates every candidate group in
@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..layouts import packed_layout, shard, unshard
+from ..softmax import attention
 from .plan import GroupPlan, Plan, local_batch
 
 __all__ = ["GroupCache", "RankWork", "execute_plan", "rank_work", "train_step"]
@@ -172,9 +174,7 @@ class RankWork:
 
         Padding rows hold ``pad_value`` (e.g. ``-100`` for labels an ignoring loss skips).
         """
-        import seqpar
-
-        out = seqpar.shard(packed, group=self.group, method=self.method, dim=dim, cu_seqlens=self.layout)
+        out = shard(packed, group=self.group, method=self.method, dim=dim, cu_seqlens=self.layout)
         if pad_value != 0:
             mask = self.real_mask(packed.device)
             shape = [1] * out.dim()
@@ -184,35 +184,27 @@ class RankWork:
 
     def real_mask(self, device=None) -> torch.Tensor:
         """bool ``[1, T_local]``: True on this rank's real tokens, False on padding rows."""
-        import seqpar
-
         key = str(torch.device(device or "cpu"))
         if key not in self._mask:
             ones = torch.ones(1, self.num_tokens, 1, device=device)
-            local = seqpar.shard(ones, group=self.group, method=self.method, dim=1, cu_seqlens=self.layout)
+            local = shard(ones, group=self.group, method=self.method, dim=1, cu_seqlens=self.layout)
             self._mask[key] = local[..., 0] > 0
         return self._mask[key]
 
     def unshard(self, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The group's packed global tensor from every member's local stream (collective over the group)."""
-        import seqpar
-
-        return seqpar.unshard(local, group=self.group, method=self.method, dim=dim, cu_seqlens=self.layout)
+        return unshard(local, group=self.group, method=self.method, dim=dim, cu_seqlens=self.layout)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                   **kwargs) -> torch.Tensor:
         """``seqpar.attention`` over the group with its method and packed layout (documents never
         attend across a boundary; ``causal`` is per document)."""
-        import seqpar
-
-        return seqpar.attention(q, k, v, group=self.group, method=self.method, causal=causal,
-                                cu_seqlens=self.layout, **kwargs)
+        return attention(q, k, v, group=self.group, method=self.method, causal=causal,
+                         cu_seqlens=self.layout, **kwargs)
 
 
 def rank_work(plan: Plan, seq_lens: Sequence[int], rank: int, groups: GroupCache) -> RankWork:
     """This rank's :class:`RankWork` for ``plan`` on batch ``seq_lens`` (local: no communication)."""
-    import seqpar
-
     g, pg = groups.for_plan(plan, rank)
     seqs = tuple(local_batch(plan, rank, seq_lens))
     lens = tuple(int(seq_lens[i]) for i in seqs)
@@ -220,7 +212,7 @@ def rank_work(plan: Plan, seq_lens: Sequence[int], rank: int, groups: GroupCache
     for n in lens:
         offsets.append(offsets[-1] + n)
     cu = torch.tensor(offsets, dtype=torch.int32)
-    layout = seqpar.packed_layout(cu, method=g.method, group=pg) if seqs else None
+    layout = packed_layout(cu, method=g.method, group=pg) if seqs else None
     return RankWork(rank=rank, group_plan=g, group=pg, method=g.method, seqs=seqs, lens=lens, cu_seqlens=cu,
                     layout=layout)
 

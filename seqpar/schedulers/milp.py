@@ -1,4 +1,4 @@
-"""The MILP planner (ALGORITHMS.md §7), solved by HiGHS through ``scipy.optimize.milp``.
+"""The MILP planner (seqpar/schedulers/README.md), solved by HiGHS through ``scipy.optimize.milp``.
 
 Lengths are grouped into at most ``num_buckets`` buckets by a 1-D dynamic programme that minimises
 the padded compute ``Σ w(bucket max) - w(s)`` with ``w(s) = α2·s + α1·s²`` (padding a long
@@ -119,18 +119,36 @@ class MilpResult:
     message: str
 
 
-def solve_milp(table: Table, buckets: Buckets, *, upper: float | None,
-               lower: float, time_limit: float | None, mip_gap: float) -> tuple[MilpResult | None, str]:
-    """Build (vectorised) and solve the MILP. Returns (result, "") or (None, why not): scipy missing,
-    model too large for the time limit (see SECONDS_PER_VARIABLE), infeasible, or no incumbent."""
-    try:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
-    except ImportError:
-        return None, "scipy is not installed"
-    n_ranks, E, B = table.cluster.world_size, table.memory, len(buckets)
-    counts = buckets.counts.astype(np.float64)
-    # candidates g = (block, method option)
+@dataclass
+class _Candidates:
+    """The MILP's variables: candidate groups g = (aligned block, method option) and the (g, bucket)
+    pairs p a group may take, with the per-candidate coefficient vectors of the table."""
+
+    ks: np.ndarray
+    js: np.ndarray
+    starts: np.ndarray
+    sizes: np.ndarray
+    co: dict
+    per_a: np.ndarray  # [G, B] compute side of the time row per sequence of each bucket
+    per_b: np.ndarray  # [G, B] communication side
+    per_m: np.ndarray  # [G, B] memory per sequence
+    pg: np.ndarray
+    pb: np.ndarray
+    pcap: np.ndarray
+
+    @property
+    def G(self) -> int:
+        return len(self.ks)
+
+    @property
+    def P(self) -> int:
+        return len(self.pg)
+
+
+def _candidates(table: Table, buckets: Buckets, upper: float | None) -> _Candidates | None:
+    """Every (block, method option) candidate and the buckets it can take; None when some bucket
+    fits no candidate under ``upper`` (the greedy plan's makespan) and memory."""
+    E, counts = table.memory, buckets.counts.astype(np.float64)
     ks, js, starts = [], [], []
     for k, d in enumerate(table.sizes):
         blocks = np.array(table.cluster.aligned_blocks(d))
@@ -139,8 +157,6 @@ def solve_milp(table: Table, buckets: Buckets, *, upper: float | None,
             js.append(np.full(len(blocks), j))
             starts.append(blocks)
     ks, js, starts = np.concatenate(ks), np.concatenate(js), np.concatenate(starts)
-    sizes = np.array(table.sizes)[ks]
-    G = len(ks)
     co = {n: a[ks, js] for n, a in table.arr.items()}  # coefficient vectors over candidates
     per_a = co["lin"][:, None] * buckets.mean + co["quad"][:, None] * buckets.mean_sq  # [G, B]
     per_b = (co["lin"] + co["overlap"])[:, None] * buckets.mean
@@ -151,90 +167,126 @@ def solve_milp(table: Table, buckets: Buckets, *, upper: float | None,
         slack = (upper - co["const"])[:, None]
         cap = np.minimum(cap, np.floor(slack / np.maximum(np.maximum(per_a, per_b), 1e-300) + 1e-9))
     pg, pb = np.nonzero(cap >= 1)
-    P = len(pg)
-    if P == 0 or len(np.unique(pb)) < B:
-        return None, "no candidate group can take some bucket under the greedy plan's makespan"
-    if time_limit is not None and time_limit < SECONDS_PER_VARIABLE * (G + P):
-        return None, (f"MILP of {G + P} integer variables skipped: it needs about "
-                      f"{SECONDS_PER_VARIABLE * (G + P) * 1e3:.0f} ms, {time_limit * 1e3:.0f} ms were left")
-    pcap = cap[pg, pb]
-    iC = G + P
-    nv = iC + 1
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    r = 0
+    if len(pg) == 0 or len(np.unique(pb)) < len(buckets):
+        return None
+    return _Candidates(ks, js, starts, np.array(table.sizes)[ks], co, per_a, per_b, per_m, pg, pb, cap[pg, pb])
 
-    def block(rr, cc, vv, lower_b, upper_b, nrows):
-        nonlocal r
-        rows.append(r + np.asarray(rr, dtype=np.int64))
-        cols.append(np.asarray(cc, dtype=np.int64))
-        vals.append(np.broadcast_to(np.asarray(vv, dtype=np.float64), np.shape(cc)))
-        lo.append(np.broadcast_to(np.float64(lower_b), (nrows,)) if np.ndim(lower_b) == 0 else lower_b)
-        hi.append(np.broadcast_to(np.float64(upper_b), (nrows,)) if np.ndim(upper_b) == 0 else upper_b)
-        r += nrows
 
+class _Rows:
+    """Sparse constraint rows ``lo <= A x <= hi``, appended block by block."""
+
+    def __init__(self) -> None:
+        self.rows, self.cols, self.vals, self.lo, self.hi, self.n = [], [], [], [], [], 0
+
+    def add(self, rr, cc, vv, lower_b, upper_b, nrows: int) -> None:
+        self.rows.append(self.n + np.asarray(rr, dtype=np.int64))
+        self.cols.append(np.asarray(cc, dtype=np.int64))
+        self.vals.append(np.broadcast_to(np.asarray(vv, dtype=np.float64), np.shape(cc)))
+        self.lo.append(np.broadcast_to(np.float64(lower_b), (nrows,)) if np.ndim(lower_b) == 0 else lower_b)
+        self.hi.append(np.broadcast_to(np.float64(upper_b), (nrows,)) if np.ndim(upper_b) == 0 else upper_b)
+        self.n += nrows
+
+    def constraint(self, nv: int, LinearConstraint, coo_matrix):
+        A = coo_matrix((np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
+                       shape=(self.n, nv)).tocsr()
+        return LinearConstraint(A, np.concatenate(self.lo), np.concatenate(self.hi))
+
+
+def _model_rows(table: Table, buckets: Buckets, c: _Candidates) -> _Rows:
+    """Coverage, placement, linking, memory, time (and shared-core work) rows; variables are the G
+    group selections y_g, then the P counts n_bg, then the makespan C."""
+    G, P, E = c.G, c.P, table.memory
+    iC, rows = G + P, _Rows()
     # coverage: every rank in exactly one selected block
-    offs = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    block(np.repeat(starts, sizes) + offs, np.repeat(np.arange(G), sizes), 1.0, 1.0, 1.0, n_ranks)
+    offs = np.arange(c.sizes.sum()) - np.repeat(np.cumsum(c.sizes) - c.sizes, c.sizes)
+    rows.add(np.repeat(c.starts, c.sizes) + offs, np.repeat(np.arange(G), c.sizes), 1.0, 1.0, 1.0,
+             table.cluster.world_size)
     # every bucket placed
-    block(pb, G + np.arange(P), 1.0, counts, counts, B)
+    counts = buckets.counts.astype(np.float64)
+    rows.add(c.pb, G + np.arange(P), 1.0, counts, counts, len(buckets))
     # linking n_bg <= cap·y_g
-    ar = np.arange(P)
-    block(np.concatenate([ar, ar]), np.concatenate([G + ar, pg]), np.concatenate([np.ones(P), -pcap]),
-          -np.inf, 0.0, P)
+    ar, ag = np.arange(P), np.arange(G)
+    rows.add(np.concatenate([ar, ar]), np.concatenate([G + ar, c.pg]), np.concatenate([np.ones(P), -c.pcap]),
+             -np.inf, 0.0, P)
     # memory (scaled by 1/E): Σ_b mem·n_bg <= (E - mem_const)·y_g
-    ag = np.arange(G)
-    block(np.concatenate([pg, ag]), np.concatenate([G + ar, ag]),
-          np.concatenate([per_m[pg, pb] / E, -(E - co["mem_const"]) / E]), -np.inf, 0.0, G)
+    rows.add(np.concatenate([c.pg, ag]), np.concatenate([G + ar, ag]),
+             np.concatenate([c.per_m[c.pg, c.pb] / E, -(E - c.co["mem_const"]) / E]), -np.inf, 0.0, G)
     # time: const·y_g + Σ_b n_bg·coef - C <= 0, for the compute side and the communication side
-    for per in ((per_a, per_b) if np.any(co["overlap"] > 0) else (per_a,)):
-        block(np.concatenate([pg, ag, ag]), np.concatenate([G + ar, ag, np.full(G, iC)]),
-              np.concatenate([per[pg, pb], co["const"], -np.ones(G)]), -np.inf, 0.0, G)
+    for per in ((c.per_a, c.per_b) if np.any(c.co["overlap"] > 0) else (c.per_a,)):
+        rows.add(np.concatenate([c.pg, ag, ag]), np.concatenate([G + ar, ag, np.full(G, iC)]),
+                 np.concatenate([per[c.pg, c.pb], c.co["const"], -np.ones(G)]), -np.inf, 0.0, G)
     if table.shared:  # ranks sharing cores: the plan's total work over the cores - C <= 0, one row
         # (without the per-group constants: an idle selected group does no work, and the row stays a
         # relaxation of Table.plan_time that the greedy plan's bucketed makespan always satisfies)
-        per_w = co["wlin"][:, None] * buckets.mean + co["wquad"][:, None] * buckets.mean_sq
-        block(np.zeros(P + 1, dtype=np.int64), np.concatenate([G + ar, [iC]]),
-              np.concatenate([per_w[pg, pb], [-1.0]]), -np.inf, 0.0, 1)
-    # symmetry: the rank before a block of size d lies in a selected block of size >= d
+        per_w = c.co["wlin"][:, None] * buckets.mean + c.co["wquad"][:, None] * buckets.mean_sq
+        rows.add(np.zeros(P + 1, dtype=np.int64), np.concatenate([G + ar, [iC]]),
+                 np.concatenate([per_w[c.pg, c.pb], [-1.0]]), -np.inf, 0.0, 1)
+    _symmetry_rows(table, c, rows)
+    return rows
+
+
+def _symmetry_rows(table: Table, c: _Candidates, rows: _Rows) -> None:
+    """Symmetry: the rank before a block of size d lies in a selected block of size >= d."""
     sym_r, sym_c, sym_v = [], [], []
     n_sym = 0
-    size_list = table.sizes
-    cand_of = {}  # (size, start) -> candidate indices
-    for g, key in enumerate(zip(sizes.tolist(), starts.tolist())):
+    cand_of: dict = {}  # (size, start) -> candidate indices
+    for g, key in enumerate(zip(c.sizes.tolist(), c.starts.tolist())):
         cand_of.setdefault(key, []).append(g)
     for (d, st), own in cand_of.items():
         if st == 0:
             continue
-        cover = [g for d2 in size_list if d2 >= d for g in cand_of.get((d2, ((st - 1) // d2) * d2), ())]
+        cover = [g for d2 in table.sizes if d2 >= d for g in cand_of.get((d2, ((st - 1) // d2) * d2), ())]
         sym_r += [n_sym] * (len(own) + len(cover))
         sym_c += own + cover
         sym_v += [1.0] * len(own) + [-1.0] * len(cover)
         n_sym += 1
     if n_sym:
-        block(np.array(sym_r), np.array(sym_c), np.array(sym_v), -np.inf, 0.0, n_sym)
-    A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, nv)).tocsr()
+        rows.add(np.array(sym_r), np.array(sym_c), np.array(sym_v), -np.inf, 0.0, n_sym)
+
+
+def solve_milp(table: Table, buckets: Buckets, *, upper: float | None,
+               lower: float, time_limit: float | None, mip_gap: float) -> tuple[MilpResult | None, str]:
+    """Build (vectorised) and solve the MILP. Returns (result, "") or (None, why not): scipy missing,
+    model too large for the time limit (see SECONDS_PER_VARIABLE), infeasible, or no incumbent."""
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+    except ImportError:
+        return None, "scipy is not installed"
+    c = _candidates(table, buckets, upper)
+    if c is None:
+        return None, "no candidate group can take some bucket under the greedy plan's makespan"
+    G, P = c.G, c.P
+    if time_limit is not None and time_limit < SECONDS_PER_VARIABLE * (G + P):
+        return None, (f"MILP of {G + P} integer variables skipped: it needs about "
+                      f"{SECONDS_PER_VARIABLE * (G + P) * 1e3:.0f} ms, {time_limit * 1e3:.0f} ms were left")
+    iC, nv = G + P, G + P + 1
+    constraints = _model_rows(table, buckets, c).constraint(nv, LinearConstraint, coo_matrix)
     c_obj = np.zeros(nv)
     c_obj[iC] = 1.0
     integrality = np.ones(nv)
     integrality[iC] = 0
-    ub = np.concatenate([np.ones(G), pcap, [np.inf if upper is None else upper]])
+    ub = np.concatenate([np.ones(G), c.pcap, [np.inf if upper is None else upper]])
     lb = np.concatenate([np.zeros(G + P), [lower]])
     options = {"mip_rel_gap": mip_gap, "presolve": True}
     if time_limit is not None:
         options["time_limit"] = max(float(time_limit), 1e-3)
-    res = milp(c_obj, integrality=integrality, bounds=Bounds(lb, ub),
-               constraints=LinearConstraint(A, np.concatenate(lo), np.concatenate(hi)), options=options)
+    res = milp(c_obj, integrality=integrality, bounds=Bounds(lb, ub), constraints=constraints, options=options)
     if res.x is None:
         return None, f"HiGHS found no solution better than greedy (status {res.status}: {res.message})"
-    x = res.x
+    return _decode(res, c, len(buckets))
+
+
+def _decode(res, c: _Candidates, B: int) -> tuple[MilpResult | None, str]:
+    x, G, P = res.x, c.G, c.P
     chosen = np.flatnonzero(x[:G] > 0.5)
     index = {int(g): t for t, g in enumerate(chosen)}
     cnt = np.zeros((len(chosen), B), dtype=np.int64)
     for p in np.flatnonzero(np.round(x[G:G + P]) > 0):
-        if int(pg[p]) not in index:
+        if int(c.pg[p]) not in index:
             return None, "inconsistent MILP solution (counts on an unselected group)"
-        cnt[index[int(pg[p])], pb[p]] += int(round(x[G + p]))
-    groups = [(int(starts[g]), int(sizes[g]), int(js[g])) for g in chosen]
+        cnt[index[int(c.pg[p])], c.pb[p]] += int(round(x[G + p]))
+    groups = [(int(c.starts[g]), int(c.sizes[g]), int(c.js[g])) for g in chosen]
     bound = getattr(res, "mip_dual_bound", None)
     bound = None if bound is None or not math.isfinite(bound) else float(bound)
-    return MilpResult(groups, cnt, float(x[iC]), bound, int(res.status), str(res.message)), ""
+    return MilpResult(groups, cnt, float(x[G + P]), bound, int(res.status), str(res.message)), ""

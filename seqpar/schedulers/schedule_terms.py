@@ -1,5 +1,5 @@
 """Schedule-dependent terms of the cost model: each method's causal imbalance and the bytes its
-causal schedule sends from the busiest rank (ALGORITHMS.md §2, §3, §7); :mod:`.cost` uses them."""
+causal schedule sends from the busiest rank (docs/methods.md); :mod:`.cost` uses them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import functools
 def _schedule_bytes(method: str, n: int, hq: int, hkv: int, head_dim: int, e: int, acc: int) -> float:
     """Bytes the busiest rank sends in one causal fwd+bwd with c = 1 token per rank (scale by c).
 
-    token_ring (zigzag, queries toward r-1, ALGORITHMS.md §2): rank r sends q_rows query rows (fwd:
+    token_ring (zigzag, queries toward r-1, docs/methods.md): rank r sends q_rows query rows (fwd:
     q; bwd: q, dout, fp32 lse and delta) and out_rows partial rows (fwd: out + fp32 lse; bwd: fp32 dq)
     with q_rows = (n-1)/2 for r = 0 else (n-r) + (r-1)/2, out_rows = (n-1-r) + r/2.
     lightseq (§3): at t = 1..n//2 a rank sends K,V forward if r+t < n, else its queries to a helper

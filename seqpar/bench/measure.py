@@ -1,7 +1,7 @@
 """Measurements behind ``seqpar calibrate`` (:mod:`.calibrate`); every function here runs on every rank.
 
 Each ``phase_*`` is one collective step of the calibration: all ranks of the default group call it
-with the same arguments (a spawned :mod:`seqpar.testing` pool or torchrun ranks) and rank 0's return
+with the same arguments (local ranks of :class:`seqpar.comm.pool.LocalRanks` or torchrun ranks) and rank 0's return
 value holds the result. Timings are medians after one warm-up; where several ranks time something
 at once, the slowest rank counts (what a synchronous step waits for).
 """
@@ -44,7 +44,7 @@ def _attention_seconds(method: str, s: int, shape: tuple[int, int, int], group, 
     """Median seconds of one causal fwd+bwd of ``method`` on ``group`` (one rank) at length ``s``."""
     import torch
 
-    import seqpar
+    from seqpar.softmax import attention
 
     h, hk, d = shape
     gen = torch.Generator().manual_seed(s)
@@ -54,7 +54,7 @@ def _attention_seconds(method: str, s: int, shape: tuple[int, int, int], group, 
         qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
         _sync(dev)
         t0 = time.perf_counter()
-        seqpar.attention(qq, kk, vv, method=method, causal=True, group=group).backward(dout)
+        attention(qq, kk, vv, method=method, causal=True, group=group).backward(dout)
         _sync(dev)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -188,12 +188,12 @@ def phase_overlap(method, s, shape, message, reps) -> dict:
 def _one_step(method, s, shape, group, dev) -> None:
     import torch
 
-    import seqpar
+    from seqpar.softmax import attention
 
     h, hk, d = shape
     q, k, v, dout = (torch.randn(1, s, n, d, device=dev) for n in (h, hk, hk, h))
     qq, kk, vv = (x.requires_grad_() for x in (q, k, v))
-    seqpar.attention(qq, kk, vv, method=method, causal=True, group=group).backward(dout)
+    attention(qq, kk, vv, method=method, causal=True, group=group).backward(dout)
     _sync(dev)
 
 
@@ -202,7 +202,7 @@ def phase_memory(method, s, shape) -> dict:
     import torch
     import torch.distributed as dist
 
-    import seqpar
+    from seqpar.softmax import attention
 
     dev, solo = _device(), _solo_group()
     h, hk, d = shape
@@ -214,7 +214,7 @@ def phase_memory(method, s, shape) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = seqpar.attention(q, k, v, method=method, causal=True, group=solo)
+        out = attention(q, k, v, method=method, causal=True, group=solo)
     io = sum(x.numel() * x.element_size() for x in (q, k, v, out))
     saved = sum(b for key, b in seen.items() if key[0] not in {x.data_ptr() for x in (q, k, v, out)})
     rss = 0
@@ -253,8 +253,8 @@ def phase_plans(plans_json, lens, shape, seed: int, warmup: int, repeats: int):
     import torch
     import torch.distributed as dist
 
-    from .execute import GroupCache, rank_work, train_step
-    from .plan import Plan
+    from seqpar.schedulers.execute import GroupCache, rank_work, train_step
+    from seqpar.schedulers.plan import Plan
 
     rank = dist.get_rank()
     groups = GroupCache()
@@ -302,8 +302,8 @@ def phase_kernels(methods, seq_len: int, shape, sizes, reps) -> dict:
     size (heads) is left out."""
     import torch.distributed as dist
 
-    from seqpar.bench.core import BenchCase
-    from seqpar.bench.emulate import emulate_case
+    from .core import BenchCase
+    from .emulate import emulate_case
 
     out: dict = {}
     if dist.get_rank() == 0:

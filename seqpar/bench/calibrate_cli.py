@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import sys
 
+from seqpar.schedulers.cluster import ClusterSpec
+from seqpar.schedulers.cost import CostModel
+
 from .calibrate import DEFAULT_SEQ_LENS, QUICK_SEQ_LENS, calibrate
-from .cluster import ClusterSpec
-from .cost import CostModel
 
 
 def print_calibration(cluster: ClusterSpec, cost: CostModel, title: str = "seqpar calibrate") -> None:
@@ -86,7 +87,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
-        from .data import parse_lengths
+        from seqpar.schedulers.data import parse_lengths
 
         methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
         lens = parse_lengths(args.seq_lens, "--seq-lens") if args.seq_lens else None

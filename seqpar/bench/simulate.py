@@ -10,7 +10,7 @@ step time (forward + backward, all layers) comes from :class:`~.cost.CostModel` 
 
 (``slowdown`` = 1 on GPUs; on shared CPU cores see :func:`~.cost.attention_factor`.)
 
-with the overlap of ALGORITHMS.md: the ring family, TokenRing and LightSeq send their next block
+with the overlap of docs/methods.md: the ring family, TokenRing and LightSeq send their next block
 while computing the current one (overlapped, times ``cluster.overlap_factor``); Ulysses' all-to-alls
 and all-gather KV's collectives are not overlapped; USP's Ulysses axis is not, its ring axis is.
 ``efficiency = step(N=1) / (N·step(N))`` (the ideal is perfect division of the single-rank work);
@@ -26,31 +26,28 @@ shape with a named bandwidth profile (:data:`~.cluster.PROFILES`), or a ``seqpar
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Sequence
 
-from .cluster import PROFILES, ClusterSpec, get_profile, is_power_of_two
-from .cost import KNOWN_METHODS, SOFTMAX_METHODS, CostModel, attention_factor
-from .data import parse_lengths
+from seqpar.schedulers.calibration import load_calibration, rescale_cost_model
+from seqpar.schedulers.cluster import (
+    PROFILES,
+    ClusterSpec,
+    get_profile,
+    is_power_of_two,
+)
+from seqpar.schedulers.cost import (
+    KNOWN_METHODS,
+    SOFTMAX_METHODS,
+    CostModel,
+    attention_factor,
+)
+from seqpar.schedulers.data import parse_lengths
+
+from .report import write_rows
 
 DEFAULT_WORLD_SIZES = tuple(1 << k for k in range(3, 11))  # 8 .. 1024
-
-
-def rescale_cost_model(cost: CostModel, heads: int, kv_heads: int, head_dim: int, layers: int) -> CostModel:
-    """A calibrated model moved to another attention shape: α1, α2, β1 and per-token memory scale with
-    hidden·layers (attention work per token pair and per token is proportional to Hq·D per layer)."""
-    h = heads * head_dim
-    f = h * layers / (cost.hidden * cost.layers)
-    fl = layers / cost.layers
-    methods = tuple((n, replace(c, alpha1=c.alpha1 * f, alpha2=c.alpha2 * f, beta1=c.beta1 * fl,
-                                m_token=c.m_token * f, m_token_full=c.m_token_full * f))
-                    for n, c in cost.methods)
-    return CostModel(methods=methods, hidden=h, kv_hidden=kv_heads * head_dim, layers=layers, n_heads=heads,
-                     bytes_per_element=cost.bytes_per_element, grad_bytes_per_element=cost.grad_bytes_per_element)
 
 
 def simulate(seq_len: int, cluster: ClusterSpec, cost: CostModel, *,
@@ -146,17 +143,6 @@ def print_table(rows: list[dict], title: str) -> None:
           "/ bytes sent per rank per step")
 
 
-def write_rows(rows: list[dict], path: str, meta: dict, fmt: str = "json") -> None:
-    """``fmt="csv"``: one line per row; ``"json"``: ``{"meta": ..., "rows": [...]}``."""
-    if fmt == "csv":
-        with open(path, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-    else:
-        Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-
-
 def plot_efficiency(rows: list[dict], path: str, title: str) -> None:
     """Efficiency vs N (log2 axis), one line per method (matplotlib, Agg)."""
     import matplotlib
@@ -210,12 +196,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-out", metavar="PATH", help="--validate without --calibration: where to save "
                    "the calibration it measures first")
     p.add_argument("--no-track-load", action="store_true", help="--validate: skip the per-case probe of the "
-                   "machine's current speed (see seqpar.schedulers.sim_validate)")
+                   "machine's current speed (see seqpar.bench.sim_validate)")
     p.add_argument("--group-scales", action="store_true", help="--validate: first time each method on N ranks at "
-                   "T/8, T/4 and T/2 and correct the formula by a fit there (see seqpar.schedulers.sim_validate); "
+                   "T/8, T/4 and T/2 and correct the formula by a fit there (see seqpar.bench.sim_validate); "
                    "the rows keep the formula's error too")
     p.add_argument("--no-probe", action="store_true", help="--validate: skip the per-case speed probe (a "
-                   "single-rank kernel timed before each repeat; see seqpar.schedulers.sim_validate)")
+                   "single-rank kernel timed before each repeat; see seqpar.bench.sim_validate)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -243,7 +229,6 @@ def _run(args) -> int:
     if bad:
         raise ValueError(f"--methods: unknown {', '.join(bad)}; choose from {', '.join(KNOWN_METHODS)}")
     if args.calibration:
-        from .calibrate import load_calibration
 
         cluster, cost = load_calibration(args.calibration)
         heads = args.heads or cost.n_heads
@@ -290,5 +275,4 @@ if __name__ == "__main__":
     sys.exit(simulate_main())
 
 
-__all__ = ["DEFAULT_WORLD_SIZES", "plot_efficiency", "print_table", "rescale_cost_model", "simulate",
-           "simulate_main", "write_rows"]
+__all__ = ["DEFAULT_WORLD_SIZES", "plot_efficiency", "print_table", "simulate", "simulate_main"]

@@ -1,4 +1,4 @@
-"""Rematerialisation-aware activation checkpointing (ALGORITHMS.md §3, from DistAttn/LightSeq).
+"""Rematerialisation-aware activation checkpointing (docs/methods.md, from DistAttn/LightSeq).
 
 Layer-boundary checkpointing (``torch.utils.checkpoint`` around a whole transformer layer) re-runs
 the layer in backward, including the attention forward and all its communication, although the

@@ -1,4 +1,4 @@
-"""LightSeq / DistAttn (ALGORITHMS.md §3): a balanced causal schedule with helper ranks.
+"""LightSeq / DistAttn (docs/methods.md): a balanced causal schedule with helper ranks.
 
 Contiguous layout, causal. Steps t = 0..⌊N/2⌋:
 

@@ -1,7 +1,7 @@
 """Schedules: what one rank computes and sends at each step of a softmax sequence-parallel method.
 
 Every softmax method of seqpar is a :class:`Schedule` run by ONE executor
-(:func:`seqpar.attention.ring.execute`); the methods differ only in the schedule, built once per
+(:func:`seqpar.softmax.executor.execute`); the methods differ only in the schedule, built once per
 call on the host from (rank, N, local length, causal). Nothing in the step loop inspects data or
 synchronises with the device.
 
@@ -34,9 +34,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layouts.base import layout_named
+
 OPERANDS = ("q", "kv")
 RESULTS = ("out", "dkv")
 PAYLOADS = OPERANDS + RESULTS
+
+
+@dataclass(frozen=True)
+class Wire:
+    """One tensor of a message: the named parts stacked in it (one part: not stacked).
+
+    ``stat``: parts are row statistics ``[B, H, T]`` (lse, delta), else rows ``[B, T, H, D]``;
+    ``heads``: ``"q"`` (Hq) or ``"kv"`` (Hkv); ``dtype``: ``"input"`` (the inputs' dtype),
+    ``"acc"`` (fp32, fp64 for fp64 input) or ``"grad"`` (the ``grad_comm_dtype`` of gradients)."""
+
+    parts: tuple[str, ...]
+    heads: str = "q"
+    dtype: str = "input"
+    stat: bool = False
+
+    @property
+    def row_dim(self) -> int:
+        """The dimension that holds the token rows (a stacked wire has a leading part dimension)."""
+        return (2 if self.stat else 1) + (len(self.parts) > 1)
+
+
+#: What each payload carries, in forward (False) and backward (True): the message's tensors, and
+#: for results how they fold into an accumulator (``"merge"``: running (out, lse) in fp32;
+#: ``"sum"``: gradients summed in fp32). The executor reads this table instead of branching.
+WIRES: dict[tuple[str, bool], tuple[Wire, ...]] = {
+    ("q", False): (Wire(("q",)),),
+    ("q", True): (Wire(("q", "dout")), Wire(("lse", "delta"), dtype="acc", stat=True)),
+    ("kv", False): (Wire(("k", "v"), heads="kv"),),
+    ("kv", True): (Wire(("k", "v"), heads="kv"),),
+    ("out", False): (Wire(("out",)), Wire(("lse",), dtype="acc", stat=True)),
+    ("out", True): (Wire(("dq",), dtype="grad"),),
+    ("dkv", True): (Wire(("dk", "dv"), heads="kv", dtype="grad"),),
+}
+FOLD = {("out", False): "merge", ("out", True): "sum", ("dkv", True): "sum"}
 
 
 @dataclass(frozen=True)
@@ -45,7 +81,7 @@ class Block:
     order). ``mask`` is a block mask of :mod:`seqpar.kernels` (``none``, ``causal``,
     ``causal_strict``), aligned top-left on the two slices.
 
-    ``segments``: packed variable-length input (:mod:`seqpar.packing`): the block is a
+    ``segments``: packed variable-length input (:mod:`seqpar.softmax.packed`): the block is a
     :class:`~seqpar.kernels.varlen.VarlenSegments` over the two slices (document by document,
     padding never covered) and ``mask`` is unused; the executor calls the varlen kernels."""
 
@@ -223,7 +259,7 @@ def striped_plan(rank: int, n: int, t_local: int, causal: bool, transport: str =
     return RingPlan(tuple(steps), transport)
 
 
-def verify(build, n: int, t_local: int, causal: bool, layout: str) -> None:
+def verify(build, n: int, t_local: int, causal: bool, layout) -> None:
     """Check the schedules of all ``n`` ranks of a builder ``(rank, n, t_local, causal) -> plan``
     against each other, on the host (for tests and for anyone writing a schedule):
 
@@ -231,10 +267,10 @@ def verify(build, n: int, t_local: int, causal: bool, layout: str) -> None:
     - every operand a task or a send uses is held at that step (own, or received earlier);
     - every (query, key) pair the mask allows is computed exactly once, none it forbids.
 
-    Raises ``AssertionError`` describing the first problem.
+    ``layout``: a :class:`~seqpar.layouts.base.Layout` or its name. Raises ``AssertionError``
+    describing the first problem.
     """
-    from ..layout import token_indices  # local import: the layout module imports the registry
-
+    layout = layout_named(layout)
     T = t_local * n
     scheds = [build(r, n, t_local, causal).schedule(t_local) for r in range(n)]
     steps = max(s.n for s in scheds)
@@ -265,7 +301,7 @@ def verify(build, n: int, t_local: int, causal: bool, layout: str) -> None:
                     arrivals.append((r, (m.what, owner), (m.rows.start, m.rows.stop)))
             for t in step.tasks:
                 a, b = (r + t.q) % n, (r + t.kv) % n
-                qi, ki = token_indices(T, n, a, layout).tolist(), token_indices(T, n, b, layout).tolist()
+                qi, ki = layout.positions(T, n, a), layout.positions(T, n, b)
                 for blk in t.blocks:
                     has(r, "q", a, blk.q, f"step {i} task")
                     has(r, "kv", b, blk.kv, f"step {i} task")

@@ -1,8 +1,9 @@
-"""``seqpar calibrate``: measure the cost model's coefficients on this machine (ALGORITHMS.md §7).
+"""``seqpar calibrate``: measure the cost model's coefficients on this machine (seqpar/schedulers/README.md).
 
 API (stable; the scheduler codes against it)::
 
-    from seqpar.schedulers.calibrate import calibrate, load_calibration
+    from seqpar.bench.calibrate import calibrate
+    from seqpar.schedulers.calibration import load_calibration
 
     cluster, cost = calibrate(nproc=4, methods=None, seq_lens=None, heads=8, kv_heads=None,
                               head_dim=32, layers=1, quick=False, repeats=None, out=None,
@@ -10,8 +11,8 @@ API (stable; the scheduler codes against it)::
     cluster, cost = load_calibration("calib.json")      # -> (ClusterSpec, CostModel)
     plan = plan_batch(seq_lens, cluster.with_world_size(4), cost)
 
-``calibrate`` spawns ``nproc`` local CPU ranks (gloo, one thread each, the persistent pools of
-:mod:`seqpar.testing`); under ``torchrun`` it uses the launched ranks instead (every rank calls it;
+``calibrate`` spawns ``nproc`` local CPU ranks (gloo, one thread each,
+:class:`seqpar.comm.pool.LocalRanks`); under ``torchrun`` it uses the launched ranks instead (every rank calls it;
 CUDA devices when available, ``nproc`` ignored) and only rank 0 writes ``out``. It measures, in
 phases (one progress-bar step each):
 
@@ -39,31 +40,43 @@ phases (one progress-bar step each):
   (:func:`fit_group_scale`). g = 1 runs once (every method runs the same local kernel alone).
 
 The coefficients are per attention layer times ``layers`` (the CostModel's ``layers`` scales the
-communication the same way). The JSON file (:func:`save_calibration`) is
+communication the same way). The JSON file (:func:`seqpar.schedulers.calibration.save_calibration`) is
 ``{"format": "seqpar-calibration", "version": 1, "cluster": {...}, "cost_model": {...},
 "measurements": {...}, "machine": {...}, "versions": {...}, "command": "..."}``; ``CostModel.load``
-reads its ``cost_model`` part and :func:`load_calibration` both parts.
+reads its ``cost_model`` part and :func:`~seqpar.schedulers.calibration.load_calibration` both parts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import os
-import platform
-import sys
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from .cluster import ClusterSpec, is_power_of_two
-from .cost import SOFTMAX_METHODS, CostModel, MethodCost
-from .measure import (phase_compute, phase_kernels, phase_links, phase_memory, phase_overlap,
-                      phase_plans, phase_slowdown)
+from seqpar.comm.launch import (
+    launched_by_torchrun,
+    launched_process_group,
+    progress_track,
+    usable_cores,
+)
+from seqpar.comm.pool import LocalRanks
+from seqpar.methods import METHODS
+from seqpar.schedulers.calibration import save_calibration
+from seqpar.schedulers.cluster import ClusterSpec, is_power_of_two
+from seqpar.schedulers.cost import SOFTMAX_METHODS, CostModel, MethodCost
 
-FORMAT = "seqpar-calibration"
+from .measure import (
+    phase_compute,
+    phase_kernels,
+    phase_links,
+    phase_memory,
+    phase_overlap,
+    phase_plans,
+    phase_slowdown,
+)
+
 DEFAULT_SEQ_LENS = (1024, 2048, 4096)
 QUICK_SEQ_LENS = (256, 512, 1024)
 DEFAULT_MESSAGE_BYTES = (1 << 16, 1 << 19, 1 << 22)  # 64 KiB, 512 KiB, 4 MiB
@@ -113,49 +126,9 @@ def fit_link(message_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[
     return float(1.0 / inv_bw), float(lat)
 
 
-# ----------------------------------------------------------------------------- JSON
-def save_calibration(path: str | Path, cluster: ClusterSpec, cost_model: CostModel, *,
-                     measurements: dict | None = None, command: str | None = None) -> None:
-    """Write a calibration file (see the module docstring for the layout)."""
-    import torch
-
-    import seqpar
-
-    data = {"format": FORMAT, "version": 1, "cluster": cluster.to_dict(), "cost_model": cost_model.to_dict(),
-            "measurements": measurements or {},
-            "machine": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-                        "cpus": os.cpu_count(), "platform": platform.platform(),
-                        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "seqpar": seqpar.__version__},
-            "command": command if command is not None else " ".join(["seqpar"] + sys.argv[1:])}
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
-
-
-def load_calibration(path: str | Path) -> tuple[ClusterSpec, CostModel]:
-    """Read a ``seqpar calibrate`` file: (ClusterSpec, CostModel). ValueError naming the file and field."""
-    source = f"calibration file {str(path)!r}"
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ValueError(f"{source}: cannot be read ({exc})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{source}: not valid JSON ({exc}); write one with 'seqpar calibrate --out PATH'") from None
-    if not isinstance(data, dict) or "cluster" not in data or "cost_model" not in data:
-        raise ValueError(f"{source}: expected an object with 'cluster' and 'cost_model' (the output of "
-                         f"'seqpar calibrate'); a bare cost model loads with CostModel.load")
-    cluster = ClusterSpec.from_dict(data["cluster"], source=f"{source}: cluster")
-    cost = CostModel.from_dict(data["cost_model"], source=f"{source}: cost_model")
-    return cluster, cost
-
-
 # ----------------------------------------------------------------------------- driver
-def _runner(nproc: int):
-    """(run(fn, *args) -> rank 0's result, world size, is rank 0): spawned pool or launched ranks."""
-    from seqpar.testing import launched_by_torchrun
-
+def _runner(nproc: int, ranks: LocalRanks):
+    """(run(fn, *args) -> rank 0's result, world size, is rank 0): local ranks or launched ranks."""
     if launched_by_torchrun():  # torchrun: every rank runs every phase (the group is the caller's)
         import torch.distributed as dist
 
@@ -164,14 +137,10 @@ def _runner(nproc: int):
             dist.broadcast_object_list(box, src=0)
             return box[0]
         return run, dist.get_world_size(), dist.get_rank() == 0
-    from seqpar.testing import run_distributed
-
-    return (lambda fn, *args: run_distributed(fn, nproc, *args, timeout=3600)[0]), nproc, True
+    return (lambda fn, *args: ranks.run(fn, nproc, *args, timeout=3600)[0]), nproc, True
 
 
 def _check_args(nproc, methods, seq_lens, heads, kv_heads, head_dim, layers) -> None:
-    import seqpar
-
     for name, value in (("nproc", nproc), ("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
                         ("layers", layers)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -180,10 +149,10 @@ def _check_args(nproc, methods, seq_lens, heads, kv_heads, head_dim, layers) -> 
         raise ValueError(f"nproc={nproc}: sequence-parallel groups are powers of two; use 1, 2, 4, 8, ...")
     if heads % kv_heads:
         raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
-    bad = [m for m in methods if m not in seqpar.METHODS or m not in SOFTMAX_METHODS]
+    bad = [m for m in methods if m not in METHODS or m not in SOFTMAX_METHODS]
     if bad or not methods:
         raise ValueError(f"methods: unknown or not calibratable {bad or methods}; choose from "
-                         f"{', '.join(m for m in seqpar.METHODS if m in SOFTMAX_METHODS)}")
+                         f"{', '.join(m for m in METHODS if m in SOFTMAX_METHODS)}")
     if len(set(seq_lens)) < 2 or any(not isinstance(s, int) or s < 16 for s in seq_lens):
         raise ValueError(f"seq_lens: need at least two distinct lengths >= 16 for the fit, got {list(seq_lens)}")
 
@@ -207,14 +176,10 @@ def calibrate(*, nproc: int | None = None, methods: Sequence[str] | None = None,
     per rank of those steps (default: the two largest ``seq_lens``, one common factor per (method, g);
     three or more give separate attention / rest factors; --quick: the largest).
     """
-    import seqpar
-
-    from seqpar.testing import launched_by_torchrun
-
     launched = launched_by_torchrun()
     nproc = int(os.environ["WORLD_SIZE"]) if launched else (4 if nproc is None else nproc)
     kv_heads = heads if kv_heads is None else kv_heads
-    methods = list(methods) if methods is not None else [m for m in seqpar.METHODS if m in SOFTMAX_METHODS]
+    methods = list(methods) if methods is not None else [m for m in METHODS if m in SOFTMAX_METHODS]
     seq_lens = list(seq_lens) if seq_lens is not None else list(QUICK_SEQ_LENS if quick else DEFAULT_SEQ_LENS)
     _check_args(nproc, methods, seq_lens, heads, kv_heads, head_dim, layers)
     reps = repeats if repeats is not None else (1 if quick else 3)
@@ -223,10 +188,8 @@ def calibrate(*, nproc: int | None = None, methods: Sequence[str] | None = None,
     shape = (heads, kv_heads, head_dim)
     timed = methods[:1] if quick or share_compute else methods
     mid = sorted(seq_lens)[len(seq_lens) // 2]
-    from seqpar.comm.groups import launched_process_group
-
-    with launched_process_group() if launched else contextlib.nullcontext():
-        run, world, rank0 = _runner(nproc)
+    with launched_process_group() if launched else LocalRanks() as ranks:
+        run, world, rank0 = _runner(nproc, ranks)
         meas: dict = {"shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "layers": layers},
                       "seq_lens": seq_lens, "repeats": reps, "world_size": world, "timed_methods": timed,
                       "loadavg_before": _loadavg()}
@@ -250,7 +213,6 @@ def calibrate(*, nproc: int | None = None, methods: Sequence[str] | None = None,
                                          [1 << i for i in range(1, world.bit_length())], reps))]
         if groups:
             steps.append(("groups", group_steps))
-        from seqpar.testing import progress_track
 
         for name, fn in progress_track(steps, "calibrate", progress and rank0):
             meas[name] = fn()
@@ -300,8 +262,8 @@ def measure_group_scales(run, cluster: ClusterSpec, cost: CostModel, methods: Se
     (:meth:`.assign.Table.plan_parts`: the slowest group, or on shared cores the plan's work bound
     when that binds); :func:`fit_group_scale` turns a (method, g)'s rows into its factors.
     """
-    from .assign import Assignment, Table
-    from .greedy import static_plan
+    from seqpar.schedulers.assign import Assignment, Table
+    from seqpar.schedulers.greedy import static_plan
 
     cost = cost.without_group_scales()
     rows = []
@@ -351,7 +313,7 @@ def group_scales_from(rows: Sequence[dict], methods: Sequence[str]) -> dict:
 
 def build_models(meas: dict, methods: Sequence[str]) -> tuple[ClusterSpec, CostModel]:
     """Turn the measurements of :func:`calibrate` into (ClusterSpec, CostModel)."""
-    from .cost import method_buffers
+    from seqpar.schedulers.cost import method_buffers
 
     shape, lens, world = meas["shape"], meas["seq_lens"], int(meas["world_size"])
     h, hk, d, layers = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["layers"]
@@ -368,7 +330,7 @@ def build_models(meas: dict, methods: Sequence[str]) -> tuple[ClusterSpec, CostM
     cost = CostModel(methods=tuple(costs), hidden=h * d, kv_hidden=hk * d, layers=layers, n_heads=h,
                      bytes_per_element=int(mem["element_size"]), grad_bytes_per_element=4)  # fp32 dK,dV, dq
     if meas.get("kernels"):  # emulated efficiency = 1 / (kernel factor x the schedule's imbalance)
-        from .schedule_terms import causal_imbalance
+        from seqpar.schedulers.schedule_terms import causal_imbalance
 
         cost = cost.with_kernel_scales({m: {int(n): 1.0 / (eff * causal_imbalance(m, int(n))) for n, eff in by.items()}
                                         for m, by in meas["kernels"].items() if m in methods})
@@ -380,7 +342,6 @@ def build_models(meas: dict, methods: Sequence[str]) -> tuple[ClusterSpec, CostM
     intra = [links[(g, "p2p")] for g in sorted({g for g, _ in links}) if g <= rpn]
     inter = [links[(g, "p2p")] for g in sorted({g for g, _ in links}) if g > rpn] or intra
     cpu = mem["device"] == "cpu"
-    from seqpar.testing import usable_cores
 
     cores = usable_cores() if cpu else (os.cpu_count() or 1)
     fields = {"world_size": world, "ranks_per_node": rpn, "memory_per_rank": float(mem["memory_per_rank"]),

@@ -7,22 +7,31 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import CommStats, GroupInfo, group_info
-from ..comm.agreement import agreed, check_ranks_enabled, offsets_fingerprint, shape_of
-from ..kernels import check_qkv, select_backend, available_backends
-from ..packing import PackedLayout, check_cu_seqlens, check_same_on_ranks
-from .registry import MethodSpec, method_spec
-from .ring import RingAttention, RingConfig
-from .packed import layout_geometry, packed_schedule, resolve_layout
-from .token_ring import TokenRingGroups
+from ..comm import CommStats, GroupInfo, TokenRingGroups, group_info
+from ..comm.agreement import (
+    agreed,
+    agreement_groups,
+    check_ranks_enabled,
+    check_same_on_ranks,
+    offsets_fingerprint,
+    shape_of,
+)
+from ..comm.usp_groups import describe_usp
+from ..kernels import available_backends, check_qkv, select_backend
+from ..layouts import PackedLayout, check_cu_seqlens, placement
+from ..methods import Method, check_usp_options
+from ..methods import method as declared
+from .executor import RingAttention, RingConfig
+from .packed import packed_schedule
+from .registry import dense_plan
 from .ulysses import run_ulysses
-from .usp import check_usp_options, run_usp
+from .usp import run_usp
 
 _GRAD_COMM = {None: None, "fp32": torch.float32, "float32": torch.float32, "input": "input"}
 
 
 def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, grad_comm_dtype, info):
-    spec = method_spec(method, argument="method", softmax_only=True)
+    spec = declared(method, kind="softmax")
     check_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected True or False, got {causal!r}")
@@ -34,7 +43,7 @@ def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, gr
     t_local = q.shape[1]
     if t_local < 1:
         raise ValueError("q: the local sequence is empty (T_local = 0)")
-    if spec.layout == "zigzag" and t_local % 2:
+    if spec.layout_multiple > 1 and t_local % spec.layout_multiple:
         raise ValueError(
             f"q: method={method!r} uses the zigzag layout (two equal chunks per rank), but T_local={t_local} "
             f"is odd; shard a global sequence whose length is a multiple of 2N={2 * info.size} with seqpar.shard"
@@ -56,8 +65,6 @@ def _check_same(host, method, group, ulysses_degree, q) -> None:
     """The same cu_seqlens on every rank: a 3-number all-gather (skipped for a prebuilt
     PackedLayout, and for usp given as a mesh or a pair of groups, which has no flat group)."""
     if method == "usp":
-        from .usp import describe_usp
-
         flat = describe_usp(group, ulysses_degree).flat
         if flat is None or flat.single:
             return
@@ -68,9 +75,8 @@ def _check_same(host, method, group, ulysses_degree, q) -> None:
 
 def _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method):
     """The PackedLayout of a packed call, validated against the local tensors (no communication)."""
-    kind, n, align = layout_geometry(method, group, ulysses_degree, ring_method)
-    pl = resolve_layout(cu_seqlens, kind, n, align, None)
-    t_local = pl.t_local // align  # usp: a ring member's stream is cut into U pieces
+    pl = placement(method, group, ulysses_degree=ulysses_degree, ring_method_name=ring_method).packed(cu_seqlens)
+    t_local = pl.t_local // pl.align  # usp: a ring member's stream is cut into U pieces
     for name, x in (("q", q), ("k", k)):
         if x.shape[0] != 1 or x.shape[1] != t_local:
             raise ValueError(
@@ -114,7 +120,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         stats: a ``seqpar.comm.CommStats`` that receives the bytes this rank sends (fwd and bwd).
         grad_comm_dtype: dtype of the dK,dV accumulators on the wire in backward: None/"fp32"
             (exact, default) or "input" (half the bytes for bf16/fp16, rounds partial sums).
-        ulysses_degree, ring_method: ``method="usp"`` only (:mod:`seqpar.attention.usp`): the
+        ulysses_degree, ring_method: ``method="usp"`` only (:mod:`seqpar.softmax.usp`): the
             Ulysses degree U when ``group`` is a plain group (default ``gcd(N, ranks per node)``;
             a 2-D mesh, a ``(ulysses_group, ring_group)`` pair or ``make_usp_groups(...)`` fix
             it) and the ring-family method across the ring axis (default ``"zigzag_ring"``).
@@ -137,7 +143,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         call = _prepare(q, k, v, same_offsets_check=True, **opts)
     else:
         # the fingerprint carries cu_seqlens: no separate offsets gather
-        call = agreed(_agreement_groups(method, group, ulysses_degree), "seqpar.attention",
+        call = agreed(agreement_groups(group, usp=method == "usp", ulysses_degree=ulysses_degree), "seqpar.attention",
                       _fingerprint(q, k, v, **opts), lambda: _prepare(q, k, v, same_offsets_check=False, **opts),
                       device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
     return FAMILIES[call.spec.family](q.contiguous(), k.contiguous(), v.contiguous(), call)
@@ -157,7 +163,7 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
     if cu_seqlens is not None:
         # offsets checked locally, then (unless prebuilt) the same on every rank, then the local
         # tensors against them: every rank that reaches a ValueError reaches the same one
-        method_spec(method, argument="method", softmax_only=True)
+        declared(method, kind="softmax")
         check_qkv(q, k, v)
         if not isinstance(cu_seqlens, PackedLayout):
             host = check_cu_seqlens(cu_seqlens, None)
@@ -174,21 +180,6 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
     return CallSpec(info=info, spec=spec, causal=causal, scale=scale, backend=backend, grad_comm_dtype=wire,
                     stats=stats, group=group, ulysses_degree=ulysses_degree, ring_method=ring_method,
                     channels=channels, packed=packed)
-
-
-def _agreement_groups(method, group, ulysses_degree) -> list[GroupInfo]:
-    """The group(s) whose ranks must agree: the flat group, or for usp given as a mesh or a pair
-    of groups its two axes (agreement along both axes is agreement of all, transitively)."""
-    if isinstance(group, TokenRingGroups):
-        group = group.group
-    if method != "usp":
-        return [group_info(group)]
-    from .usp import describe_usp
-
-    axes = describe_usp(group, ulysses_degree)
-    if axes.flat is not None:
-        return [axes.flat]
-    return [info for info in (axes.ulysses, axes.ring) if info is not None]
 
 
 def _fingerprint(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
@@ -211,7 +202,7 @@ class CallSpec:
     """One validated call, as handed to a family's runner."""
 
     info: GroupInfo
-    spec: MethodSpec
+    spec: Method
     causal: bool
     scale: float
     backend: str | None
@@ -228,7 +219,7 @@ def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
     if call.packed is not None:
         plan = packed_schedule(call.spec, call.packed, call.info.rank, call.causal)
     else:
-        plan = call.spec.plan(call.info.rank, call.info.size, q.shape[1], call.causal, call.spec.transport)
+        plan = dense_plan(call.spec, call.info.rank, call.info.size, q.shape[1], call.causal)
     cfg = RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels)
     return RingAttention.apply(q, k, v, cfg)
@@ -250,7 +241,7 @@ class SequenceParallelAttention(torch.nn.Module):
                  ulysses_degree: int | None = None, ring_method: str | None = None,
                  check_ranks: bool | None = None):
         super().__init__()
-        method_spec(method, argument="method", softmax_only=True)
+        declared(method, kind="softmax")
         check_usp_options(method, ulysses_degree, ring_method)
         self.group, self.method, self.causal = group, method, causal
         self.softmax_scale, self.backend = softmax_scale, backend

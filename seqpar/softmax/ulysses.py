@@ -7,7 +7,7 @@ holds global tokens ``[m·c, (m+1)·c)``):
 - after the all-to-all: q ``[B, L, Hq/U, D]`` (member m owns query heads ``[m·Hq/U, (m+1)·Hq/U)``)
   and k, v ``[B, L, n_m, D]`` with the ``n_m`` KV heads those query heads use (see below);
 - full attention of the whole sequence for the local heads (``block_forward``; GQA native), or, in
-  USP (:mod:`seqpar.attention.usp`), the shared ring loop over the ring axis on these head shards;
+  USP (:mod:`seqpar.softmax.usp`), the shared ring loop over the ring axis on these head shards;
 - out ``[B, L, Hq/U, D]`` goes back through the inverse all-to-all to ``[B, c, Hq, D]``.
 
 **GQA head routing.** With ``g = Hq/Hkv`` and ``h = Hq/U``, member m needs the KV heads
@@ -21,7 +21,7 @@ split evenly over its KV heads (``h % g`` and ``g % h`` both non-zero, e.g. Hq=1
 local heads are cut into a few *segments*, each a plain GQA block with equal groups.
 
 Volume per rank (elements; esize bytes each): forward ``(U-1)/U·c·2d`` for q and out plus
-``2·B·c·D·(Σ_m n_m - n_me)`` for k, v (``= (U-1)/U·c·2d_kv`` when ``Hkv % U == 0``: ALGORITHMS.md
+``2·B·c·D·(Σ_m n_m - n_me)`` for k, v (``= (U-1)/U·c·2d_kv`` when ``Hkv % U == 0``: docs/methods.md
 §4/§8); backward the same (dout out, dq, dk, dv back, in the input dtype).
 
 Shared by ``ulysses`` and ``usp``: one autograd Function, :class:`UlyssesAttention`; the local step
@@ -33,11 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 
 from ..comm import CommStats, GroupInfo, all_to_all
 from ..kernels import block_backward, block_forward
 from ..kernels.varlen import varlen_backward, varlen_forward
-from .ring import RingConfig, ring_backward, ring_forward
+from ..layouts.ulysses import packed_heads
+from .executor import RingConfig, ring_backward, ring_forward
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,8 @@ def seq_to_heads(axis: GroupInfo, parts, splits, *, stats: CommStats | None, nam
     outs, off = [], 0
     for s, size in zip(splits, sizes[me]):
         n = s.count(me)
-        piece = recv[:, off:off + size].view(u, b, c, n, d)
-        outs.append(piece.transpose(0, 1).reshape(b, u * c, n, d))
+        piece = recv[:, off:off + size].view(u, b, c, n, d)  # member m's rows of this rank's heads
+        outs.append(rearrange(piece, "u b c n d -> b (u c) n d"))
         off += size
     return outs
 
@@ -136,7 +138,7 @@ def heads_to_seq(axis: GroupInfo, parts, splits, heads, *, stats: CommStats | No
     grid, off = send.view(u, chunk), 0
     for y, size, s in zip(parts, sizes[me], splits):
         n = s.count(me)
-        grid[:, off:off + size].view(u, b, c, n, d).copy_(y.view(b, u, c, n, d).transpose(0, 1))
+        grid[:, off:off + size].view(u, b, c, n, d).copy_(rearrange(y, "b (u c) n d -> u b c n d", u=u))
         off += size
     recv = all_to_all(axis, send, input_splits=[chunk] * u, output_splits=[sum(x) for x in sizes],
                       stats=stats, name=name)
@@ -173,7 +175,7 @@ class UlyssesConfig:
     backend: str | None = None
     stats: CommStats | None = None
     ring: RingConfig | None = None
-    packed: object = None  # PackedHeads (seqpar.attention.packed) of packed plain-Ulysses input
+    packed: object = None  # PackedHeads (seqpar.layouts.ulysses) of packed plain-Ulysses input
 
 
 def _segment_forward(q, k, v, cfg: UlyssesConfig):
@@ -294,7 +296,5 @@ def run_ulysses(q, k, v, call) -> torch.Tensor:
     check_heads(q, call.info.size, what="the Ulysses degree (ranks in group)")
     packed = None
     if call.packed is not None:
-        from .packed import packed_heads  # local import: packed imports the registry, which is light
-
         packed = packed_heads(call.packed, call.causal)
     return UlyssesAttention.apply(q, k, v, ulysses_config(call.info, q, k, call, packed=packed))

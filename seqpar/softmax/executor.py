@@ -1,7 +1,7 @@
 """The one executor of every softmax method, and the one autograd.Function of the family.
 
 ``ring``, ``zigzag_ring``, ``striped_ring``, ``allgather_kv``, ``token_ring`` and ``lightseq``
-are all :class:`~seqpar.attention.plans.Schedule` s run by :func:`execute`. Per step it
+are all :class:`~seqpar.softmax.plans.Schedule` s run by :func:`execute`. Per step it
 
 1. posts the step's moves as one batch per (channel, payload): operands for later steps
    (prefetch) and results of the previous step going to their owner or along the ring;
@@ -28,18 +28,25 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import CommStats, GroupInfo, all_gather_stack, exchange, nbytes, reduce_scatter_stack
+from ..comm import (
+    CommStats,
+    GroupInfo,
+    all_gather_stack,
+    exchange,
+    nbytes,
+    reduce_scatter_stack,
+)
 from ..kernels import block_backward, block_forward, merge_, new_accumulator
 from ..kernels.varlen import varlen_backward, varlen_forward
 from .checkpoint import active_tape
-from .plans import OPERANDS, PAYLOADS, Move, RingPlan, Schedule, Task
+from .plans import FOLD, OPERANDS, PAYLOADS, WIRES, Move, RingPlan, Schedule, Task, Wire
 
 
 @dataclass(frozen=True)
 class RingConfig:
     """Everything the executor needs besides tensors; frozen, built once per call.
 
-    ``plan``: a :class:`~seqpar.attention.plans.RingPlan` or any ``Schedule``. ``channels``:
+    ``plan``: a :class:`~seqpar.softmax.plans.RingPlan` or any ``Schedule``. ``channels``:
     communication channels, process groups with the same members as ``info`` (channel ``i`` of a
     schedule uses ``channels[i]``, the last one for higher indices); None: ``info`` for all.
     """
@@ -129,21 +136,42 @@ class _Run:
         if self.bwd:
             self.mine["dkv"] = self._zeros("dkv")
 
+    # ---------------------------------------------------------------- payload geometry (plans.WIRES)
+    def _wires(self, what: str) -> tuple[Wire, ...]:
+        return WIRES[(what, self.bwd)]
+
+    def _parts(self, what: str) -> list[tuple[str, Wire]]:
+        """The named parts of a payload in wire order, each with the wire that carries it."""
+        return [(name, w) for w in self._wires(what) for name in w.parts]
+
+    def _dtype(self, w: Wire) -> torch.dtype:
+        return {"input": self.dtype, "acc": self.acc, "grad": self.gwire}[w.dtype]
+
+    def _part_shape(self, w: Wire, n: int | None = None) -> tuple:
+        """A part's shape for ``n`` rows (default: the whole local shard)."""
+        b, t, hq, d = self.shape_q
+        heads = hq if w.heads == "q" else self.shape_kv[2]
+        n = t if n is None else n
+        return (b, heads, n) if w.stat else (b, n, heads, d)
+
+    @staticmethod
+    def _sl(w: Wire, rows: slice) -> tuple:
+        """Index of rows ``rows`` of one part (row statistics hold the rows in their last dim)."""
+        return (slice(None), slice(None), rows) if w.stat else (slice(None), rows)
+
     # ---------------------------------------------------------------- results
     def _zeros(self, what: str) -> tuple:
         """A fresh accumulator for a whole local shard: (out, lse), (dq,) or (dk, dv)."""
-        if what == "out" and not self.bwd:
+        if FOLD[(what, self.bwd)] == "merge":
             return new_accumulator(self.shape_q, self.device, dtype=self.acc)
-        shape = self.shape_q if what == "out" else (2, *self.shape_kv)
-        z = torch.zeros(shape, dtype=self.acc, device=self.device)
-        return (z,) if what == "out" else (z[0], z[1])
+        return tuple(torch.zeros(self._part_shape(w), dtype=self.acc, device=self.device) for _, w in self._parts(what))
 
     def _fold(self, acc: tuple, what: str, rows: slice, res: tuple) -> None:
-        if what == "out" and not self.bwd:
+        if FOLD[(what, self.bwd)] == "merge":
             merge_(acc[0][:, rows], acc[1][:, :, rows], res[0], res[1])
         else:
-            for a, r in zip(acc, res):
-                a[:, rows] += r
+            for (_, w), a, r in zip(self._parts(what), acc, res):
+                a[self._sl(w, rows)] += r
 
     def add(self, what: str, owner: int, rows: slice, res: tuple) -> None:
         if owner == 0:
@@ -152,9 +180,7 @@ class _Run:
             self.partials.setdefault((what, owner), []).append((rows, res))
 
     def _rows(self, acc: tuple, what: str, rows: slice) -> tuple:
-        if what == "out" and not self.bwd:
-            return acc[0][:, rows], acc[1][:, :, rows]
-        return tuple(a[:, rows] for a in acc)
+        return tuple(a[self._sl(w, rows)] for (_, w), a in zip(self._parts(what), acc))
 
     def take(self, what: str, owner: int, rows: slice) -> tuple:
         """Hand over the results for ``owner``'s rows ``rows``, as they travel."""
@@ -170,33 +196,26 @@ class _Run:
                 for r, p in parts:
                     self._fold(acc, what, r, p)
                 res = self._rows(acc, what, rows)
-        if what == "out" and not self.bwd:
-            return res[0].to(self.dtype).contiguous(), res[1].to(self.acc).contiguous()
-        if what == "out":
-            return (res[0].to(self.gwire).contiguous(),)
-        return (torch.stack(res).to(self.gwire),)
+        return self._pack(what, dict(zip((name for name, _ in self._parts(what)), res)))
+
+    def _pack(self, what: str, parts: dict) -> tuple:
+        """The wire tensors of a payload from its named parts (stacked, cast, contiguous)."""
+        out = []
+        for w in self._wires(what):
+            ts = [parts[name].to(self._dtype(w)) for name in w.parts]
+            out.append(torch.stack(ts) if len(ts) > 1 else ts[0].contiguous())
+        return tuple(out)
 
     # ---------------------------------------------------------------- operands
     def wire(self, what: str, owner: int, rows: slice) -> tuple:
         """The tensors that carry ``owner``'s operand rows ``rows`` (views when nothing is cut)."""
         h = self.held[(what, owner)]
         if h.wire is None:  # own data, packed once
-            p = h.parts
-            if what == "kv":
-                h.wire = (torch.stack((p["k"], p["v"])),)
-            elif not self.bwd:
-                h.wire = (p["q"].contiguous(),)
-            else:
-                h.wire = (torch.stack((p["q"], p["dout"])), torch.stack((p["lse"].to(self.acc), self._delta(h))))
+            if "delta" in (name for name, _ in self._parts(what)):
+                self._delta(h)
+            h.wire = self._pack(what, h.parts)
         lo = h.local(rows)
-        return tuple(_narrow(t, d, lo.start, lo.stop).contiguous() for t, d in zip(h.wire, self._row_dims(what)))
-
-    def _row_dims(self, what: str) -> tuple:
-        if what == "q":
-            return (2, 3) if self.bwd else (1,)
-        if what == "out":
-            return (1,) if self.bwd else (1, 2)
-        return (2,)
+        return tuple(_narrow(t, w.row_dim, lo.start, lo.stop).contiguous() for t, w in zip(h.wire, self._wires(what)))
 
     def _delta(self, h: _Held) -> torch.Tensor:
         p = h.parts
@@ -206,35 +225,17 @@ class _Run:
 
     def buffers(self, m: Move) -> tuple:
         n = m.rows.stop - m.rows.start
-        b, _, hq, d = self.shape_q
-        hkv, dev = self.shape_kv[2], self.device
-        if m.what == "kv":
-            return (torch.empty(2, b, n, hkv, d, dtype=self.dtype, device=dev),)
-        if m.what == "q" and self.bwd:
-            return (torch.empty(2, b, n, hq, d, dtype=self.dtype, device=dev),
-                    torch.empty(2, b, hq, n, dtype=self.acc, device=dev))
-        if m.what == "q":
-            return (torch.empty(b, n, hq, d, dtype=self.dtype, device=dev),)
-        if m.what == "out" and not self.bwd:
-            return (torch.empty(b, n, hq, d, dtype=self.dtype, device=dev),
-                    torch.empty(b, hq, n, dtype=self.acc, device=dev))
-        if m.what == "out":
-            return (torch.empty(b, n, hq, d, dtype=self.gwire, device=dev),)
-        return (torch.empty(2, b, n, hkv, d, dtype=self.gwire, device=dev),)
+        return tuple(torch.empty(((len(w.parts),) if len(w.parts) > 1 else ()) + self._part_shape(w, n),
+                                 dtype=self._dtype(w), device=self.device) for w in self._wires(m.what))
 
     def arrived(self, m: Move, bufs: tuple) -> None:
+        parts = {}
+        for w, buf in zip(self._wires(m.what), bufs):
+            parts.update(zip(w.parts, buf) if len(w.parts) > 1 else ((w.parts[0], buf),))
         if m.what in OPERANDS:
-            if m.what == "kv":
-                parts = {"k": bufs[0][0], "v": bufs[0][1]}
-            elif self.bwd:
-                parts = {"q": bufs[0][0], "dout": bufs[0][1], "lse": bufs[1][0], "delta": bufs[1][1]}
-            else:
-                parts = {"q": bufs[0]}
             self.held[(m.what, m.owner)] = _Held(m.rows.start, parts, bufs)
-        elif m.what == "dkv":
-            self.add("dkv", m.owner, m.rows, (bufs[0][0], bufs[0][1]))
         else:
-            self.add("out", m.owner, m.rows, bufs)
+            self.add(m.what, m.owner, m.rows, tuple(parts[name] for name, _ in self._parts(m.what)))
 
     # ---------------------------------------------------------------- steps
     def post(self, moves: tuple[Move, ...]) -> list:
@@ -242,7 +243,7 @@ class _Run:
         batches: dict = {}
         per_peer: dict = {}
         for m in moves:
-            if m.what == "dkv" and not self.bwd:
+            if (m.what, self.bwd) not in WIRES:  # dK,dV moves are for the backward pass only
                 continue
             sends, recvs, arrivals = batches.setdefault((m.channel, m.what), ([], [], []))
             if m.send:

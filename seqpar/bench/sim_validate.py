@@ -1,7 +1,7 @@
 """``seqpar simulate --validate``: the simulator's step times against real runs on local CPU ranks.
 
 For each world size N (default 2, 4, 8) and method, N single-thread gloo ranks (the persistent pools
-of :mod:`seqpar.testing`) run one causal attention forward+backward of a ``[1, T, H, D]`` fp32
+of :class:`seqpar.comm.pool.LocalRanks`) run one causal attention forward+backward of a ``[1, T, H, D]`` fp32
 sequence sharded with the method's layout; the row's measured step is the median over repeats
 (after one warm-up) of the slowest rank's forward+backward. The prediction is
 ``CostModel.time(method, N, [T], cluster.with_world_size(N))`` from a CPU calibration measured
@@ -35,8 +35,15 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
-from .cluster import ClusterSpec
-from .cost import CostModel
+from seqpar.comm import CommStats, TokenRingGroups
+from seqpar.comm.launch import progress_track
+from seqpar.comm.pool import LocalRanks
+from seqpar.layouts import shard
+from seqpar.methods import METHODS
+from seqpar.schedulers.calibration import load_calibration, rescale_cost_model
+from seqpar.schedulers.cluster import ClusterSpec
+from seqpar.schedulers.cost import SOFTMAX_METHODS, CostModel
+from seqpar.softmax import attention
 
 _TWO_WAY = ("token_ring", "lightseq")  # their two traffic directions get their own communicators
 
@@ -52,8 +59,6 @@ def measure_step(method: str, seq_len: int, shape: tuple[int, int, int], repeats
     import torch
     import torch.distributed as dist
 
-    import seqpar
-
     from .measure import _attention_seconds, _solo_group
 
     torch.set_num_threads(1)
@@ -63,9 +68,9 @@ def measure_step(method: str, seq_len: int, shape: tuple[int, int, int], repeats
     h, hk, d = shape
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(1, seq_len, n, d, generator=gen) for n in (h, hk, hk, h)]
-    q, k, v, dout = (seqpar.shard(t, method=method, group=group) for t in full)
-    comm = seqpar.TokenRingGroups(group) if method in _TWO_WAY else None
-    stats, steps = seqpar.CommStats(), []
+    q, k, v, dout = (shard(t, method=method, group=group) for t in full)
+    comm = TokenRingGroups(group) if method in _TWO_WAY else None
+    stats, steps = CommStats(), []
     for i in range(warmup + repeats):
         if probe_len and i >= warmup:
             dist.barrier()
@@ -78,7 +83,7 @@ def measure_step(method: str, seq_len: int, shape: tuple[int, int, int], repeats
         if i == warmup:
             start = cpu_sample(), time.perf_counter()
         t0 = time.perf_counter()
-        out = seqpar.attention(qq, kk, vv, method=method, causal=True, group=comm or group,
+        out = attention(qq, kk, vv, method=method, causal=True, group=comm or group,
                                stats=stats if i == 0 else None)
         out.backward(dout)
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
@@ -142,13 +147,10 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
     gets ``probe_ms`` / ``probe_error``: the formula's prediction times (probe measured / probe
     modelled). The probe is the same kernel for every method and carries no communication.
     """
-    import seqpar
-
     from .calibrate import calibrate
-    from .cost import SOFTMAX_METHODS
 
     kv_heads = heads if kv_heads is None else kv_heads
-    methods = list(methods) if methods else [m for m in seqpar.METHODS if m in SOFTMAX_METHODS]
+    methods = list(methods) if methods else [m for m in METHODS if m in SOFTMAX_METHODS]
     sizes = sorted(set(world_sizes))
     if not sizes or any(n < 2 or n & (n - 1) for n in sizes):
         raise ValueError(f"world_sizes: expected powers of two >= 2, got {list(world_sizes)}")
@@ -161,71 +163,72 @@ def validate(*, world_sizes: Sequence[int] = (2, 4, 8), seq_len: int = 8192, hea
         cluster, cost = calibration
     shape = (heads, kv_heads, head_dim)
     if (cost.hidden, cost.kv_hidden, cost.n_heads, cost.layers) != (heads * head_dim, kv_heads * head_dim, heads, 1):
-        from .simulate import rescale_cost_model
-
         cost = rescale_cost_model(cost, heads, kv_heads, head_dim, 1)
-    from seqpar.testing import run_distributed
-
     formula = cost.without_group_scales()
     probe_len = max(64, seq_len // 4)
     if group_scales:
         cost = formula.with_group_scales(held_out_scales(cluster, formula, methods, sizes, seq_len, shape, repeats))
     cases = [(n, m) for n in sizes for m in methods]
     rows = []
-    from seqpar.testing import progress_track
-
-    for n, m in progress_track(cases, "validate", progress):
-        row = {"method": m, "world_size": n, "seq_len": seq_len, "error": ""}
-        cl = cluster.with_world_size(n)
-        try:
-            res = run_distributed(measure_step, n, m, seq_len, shape, repeats, warmup, probe_len if probe else None,
-                                  timeout=1800)[0]
-            pred = cost.time(m, n, [seq_len], cl)
-            t1 = cost.time(m, 1, [seq_len], cluster.with_world_size(1))
-            raw = formula.time(m, n, [seq_len], cl)
-            row.update(measured_ms=res["step_s"] * 1e3, predicted_ms=pred * 1e3,
-                       rel_error=(pred - res["step_s"]) / res["step_s"], formula_ms=raw * 1e3,
-                       formula_error=(raw - res["step_s"]) / res["step_s"],
-                       group_scale=list(cost.coeffs(m).scale(n)),
-                       measured_bytes=res["bytes"],
-                       predicted_bytes=cost.comm_bytes(m, n, seq_len, cl), predicted_efficiency=t1 / (n * pred),
-                       measured_efficiency=t1 / (n * res["step_s"]), repeats_ms=[t * 1e3 for t in res["steps_s"]])
-            if res["probe_s"]:
-                # the machine's speed now against the calibration's: the probe's measured time over
-                # what the same model says for it (single-rank kernel, n ranks busy at once)
-                ratio = res["probe_s"] / formula.time(m, 1, [probe_len], cl)
-                row.update(probe_ratio=ratio, probe_ms=raw * ratio * 1e3,
-                           probe_error=(raw * ratio - res["step_s"]) / res["step_s"])
-            if track_load and cl.cores:
-                # the cores outside processes left us during this very run (measured from /proc/stat)
-                free = max(0.25, cl.cores - res["outside_cores"])
-                cl_now = replace(cl, cores=free, compute_slowdown_by_ranks=())
-                pred_now = cost.time(m, n, [seq_len], cl_now)
-                row.update(outside_cores=res["outside_cores"], free_cores=free,
-                           slowdown_calibrated=cl.compute_slowdown(), slowdown_now=cl_now.compute_slowdown(),
-                           tracked_ms=pred_now * 1e3, tracked_error=(pred_now - res["step_s"]) / res["step_s"])
-        except Exception as exc:  # a failing row is reported; the others go on
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        rows.append(row)
+    with LocalRanks() as ranks:
+        for n, m in progress_track(cases, "validate", progress):
+            try:
+                res = ranks.run(measure_step, n, m, seq_len, shape, repeats, warmup, probe_len if probe else None,
+                                timeout=1800)[0]
+                rows.append(_row(m, n, seq_len, res, cluster, cost, formula, probe_len, track_load))
+            except Exception as exc:  # a failing row is reported; the others go on
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                rows.append({"method": m, "world_size": n, "seq_len": seq_len, "error": error})
     return rows
+
+
+def _row(m: str, n: int, seq_len: int, res: dict, cluster: ClusterSpec, cost: CostModel, formula: CostModel,
+         probe_len: int, track_load: bool) -> dict:
+    """One validation row: the measured step ``res`` of ``m`` on ``n`` ranks against the models."""
+    row = {"method": m, "world_size": n, "seq_len": seq_len, "error": ""}
+    cl = cluster.with_world_size(n)
+    pred = cost.time(m, n, [seq_len], cl)
+    t1 = cost.time(m, 1, [seq_len], cluster.with_world_size(1))
+    raw = formula.time(m, n, [seq_len], cl)
+    row.update(measured_ms=res["step_s"] * 1e3, predicted_ms=pred * 1e3,
+               rel_error=(pred - res["step_s"]) / res["step_s"], formula_ms=raw * 1e3,
+               formula_error=(raw - res["step_s"]) / res["step_s"],
+               group_scale=list(cost.coeffs(m).scale(n)),
+               measured_bytes=res["bytes"],
+               predicted_bytes=cost.comm_bytes(m, n, seq_len, cl), predicted_efficiency=t1 / (n * pred),
+               measured_efficiency=t1 / (n * res["step_s"]), repeats_ms=[t * 1e3 for t in res["steps_s"]])
+    if res["probe_s"]:
+        # the machine's speed now against the calibration's: the probe's measured time over
+        # what the same model says for it (single-rank kernel, n ranks busy at once)
+        ratio = res["probe_s"] / formula.time(m, 1, [probe_len], cl)
+        row.update(probe_ratio=ratio, probe_ms=raw * ratio * 1e3,
+                   probe_error=(raw * ratio - res["step_s"]) / res["step_s"])
+    if track_load and cl.cores:
+        # the cores outside processes left us during this very run (measured from /proc/stat)
+        free = max(0.25, cl.cores - res["outside_cores"])
+        cl_now = replace(cl, cores=free, compute_slowdown_by_ranks=())
+        pred_now = cost.time(m, n, [seq_len], cl_now)
+        row.update(outside_cores=res["outside_cores"], free_cores=free,
+                   slowdown_calibrated=cl.compute_slowdown(), slowdown_now=cl_now.compute_slowdown(),
+                   tracked_ms=pred_now * 1e3, tracked_error=(pred_now - res["step_s"]) / res["step_s"])
+    return row
 
 
 def held_out_scales(cluster: ClusterSpec, cost: CostModel, methods: Sequence[str], sizes: Sequence[int],
                     seq_len: int, shape: tuple[int, int, int], repeats: int) -> dict:
     """``{method: {N: (k_attn, k_rest)}}`` fitted to every method's real step on N ranks (a pool of N,
     the setting of the validation) for one sequence of T/8, T/4 and T/2 tokens, never T itself."""
-    from seqpar.testing import run_distributed
-
     from .calibrate import measure_group_scales
 
     scales: dict = {}
-    for n in sizes:
-        lens = sorted({max(2 * n, seq_len // k // (2 * n) * (2 * n)) for k in (8, 4, 2)})
-        run = (lambda n: lambda fn, *args: run_distributed(fn, n, *args, timeout=1800)[0])(n)
-        got, _ = measure_group_scales(run, cluster.with_world_size(n), cost, methods,
-                                      [(n, [s]) for s in lens], shape, repeats)
-        for m, by in got.items():
-            scales.setdefault(m, {}).update(by)
+    with LocalRanks() as ranks:
+        for n in sizes:
+            lens = sorted({max(2 * n, seq_len // k // (2 * n) * (2 * n)) for k in (8, 4, 2)})
+            run = (lambda n: lambda fn, *args: ranks.run(fn, n, *args, timeout=1800)[0])(n)
+            got, _ = measure_group_scales(run, cluster.with_world_size(n), cost, methods,
+                                          [(n, [s]) for s in lens], shape, repeats)
+            for m, by in got.items():
+                scales.setdefault(m, {}).update(by)
     return scales
 
 
@@ -325,8 +328,9 @@ def validate_main(args) -> int:
     import json
     from pathlib import Path
 
-    from .data import parse_lengths
-    from .simulate import write_rows
+    from seqpar.schedulers.data import parse_lengths
+
+    from .report import write_rows
 
     (seq_len,) = parse_lengths(args.seq_len or "8k", "--seq-len")
     sizes = parse_lengths(args.world_sizes or "2,4,8", "--world-sizes")
@@ -334,7 +338,6 @@ def validate_main(args) -> int:
     heads, hd = args.heads or 8, args.head_dim or 32
     calibration = None
     if args.calibration:
-        from .calibrate import load_calibration
 
         calibration = load_calibration(args.calibration)
     rows = validate(world_sizes=sizes, seq_len=seq_len, heads=heads, kv_heads=args.kv_heads, head_dim=hd,

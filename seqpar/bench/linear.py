@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..comm.groups import group_info
 from ..comm.stats import CommStats
-from .api import linear_attention
+from ..linear import linear_attention
 
 
 def efficiency(t_single: float, t_parallel: float, n: int) -> float:
