@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import itertools
 import sys
-import tomllib
 import types
 import warnings
 from pathlib import Path
 from unittest import mock
 
 import pytest
+import tomllib
 import torch
 from gpu_static.fake_cuda import cuda_tensor, fake_cuda
 from gpu_static.flash_stub import (

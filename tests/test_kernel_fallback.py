@@ -17,7 +17,15 @@ import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import InterpreterError, OutOfResources, PTXASError
 
-from seqpar.kernels import FAILED_KERNELS, Backend, Capabilities, KernelCase, block_backward, block_forward, dispatch
+from seqpar.kernels import (
+    FAILED_KERNELS,
+    Backend,
+    Capabilities,
+    KernelCase,
+    block_backward,
+    block_forward,
+    dispatch,
+)
 from seqpar.kernels.base import FLOAT_DTYPES, launch_failure
 from seqpar.kernels.fallback import FailedKernels
 

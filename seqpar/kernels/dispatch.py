@@ -20,7 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from .base import Backend, BlockPlan, check_mask, check_qkv, check_scale, lse_dtype, plan_block
+from .base import (
+    Backend,
+    BlockPlan,
+    check_mask,
+    check_qkv,
+    check_scale,
+    lse_dtype,
+    plan_block,
+)
 from .fallback import FAILED_KERNELS, Attempt, KernelCase
 from .flash import FlashAttnBackend
 from .reference import ReferenceBackend

@@ -43,7 +43,12 @@ import torch
 from .base import MASKS, check_mask, check_qkv, check_scale, lse_dtype, plan_block
 from .dispatch import block_backward, block_forward
 from .merge import merge_, new_accumulator
-from .varlen_flash import flash_backward_parts, flash_forward_parts, flash_run, use_flash
+from .varlen_flash import (
+    flash_backward_parts,
+    flash_forward_parts,
+    flash_run,
+    use_flash,
+)
 
 
 class TensorCache:
