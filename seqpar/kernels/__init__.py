@@ -2,7 +2,8 @@
 
 Layout ``[B, T, H, D]``; ``q [B, Tq, Hq, D]``, ``k``/``v [B, Tk, Hkv, D]``
 with ``Hq % Hkv == 0`` (GQA, never expanded on the wire); ``lse [B, Hq, Tq]``
-fp32 (fp64 for fp64). Masks ``MASKS`` are aligned top-left when Tq != Tk.
+fp32 (fp64 for fp64). Masks ``MASKS`` and window bands (:class:`Band`, :mod:`.masks`)
+are aligned top-left when Tq != Tk.
 
 - :func:`block_forward` -> ``(out, lse)`` of one block.
 - :func:`block_backward` -> ``(dq, dk, dv)`` of one block given the FINAL
@@ -28,11 +29,14 @@ from .dispatch import (
     select_backend,
 )
 from .fallback import FAILED_KERNELS, KernelCase
+from .masks import Band, window_band
 from .merge import merge_, new_accumulator
 from .varlen import Segment, VarlenSegments, varlen_backward, varlen_forward
 
 __all__ = [
     "MASKS",
+    "Band",
+    "window_band",
     "BACKENDS",
     "BACKEND_NAMES",
     "FAILED_KERNELS",

@@ -9,22 +9,26 @@ Shapes (flash-attn layout, per rank; ``T`` is the length of this block only):
   (float64 for float64 inputs), natural log of the sum of ``exp(scale * q.k)``
   over the keys the row sees.
 
-Masks, aligned TOP-LEFT when ``Tq != Tk`` (query ``i`` and key ``j`` are
-positions inside this block, both counted from 0):
+Masks (:mod:`seqpar.kernels.masks`), aligned TOP-LEFT when ``Tq != Tk`` (query
+``i`` and key ``j`` are positions inside this block, both counted from 0):
 
 - ``"none"``: every key is visible.
 - ``"causal"``: key ``j`` is visible to query ``i`` iff ``j <= i``; so a query
   ``i >= Tk`` sees every key.
 - ``"causal_strict"``: ``j < i`` (the second diagonal of striped layouts);
   query 0 sees nothing.
+- a :class:`~seqpar.kernels.masks.Band` ``(lo, hi)``: ``lo <= j - i <= hi``
+  (sliding windows; the three names are bands too).
 
 A row that sees no key has ``out = 0`` and ``lse = -inf``.
 
 Every mask is first reduced (:func:`plan_block`) to a sub-block in which a
-kernel only ever needs ``"none"`` or top-left ``"causal"`` with ``Tk <= Tq``
-and in which every row sees at least one key. This is what keeps torch's CPU
-flash op (which returns ``lse = 0``, not ``-inf``, for a fully masked row, and
-crashes on empty inputs) away from rows it gets wrong.
+kernel only ever needs ``"none"``, top-left ``"causal"`` with ``Tk <= Tq``, or
+(a window) a band with a bound that cuts it, and in which every row sees at
+least one key. This is what keeps torch's CPU flash op (which returns
+``lse = 0``, not ``-inf``, for a fully masked row, and crashes on empty inputs)
+away from rows it gets wrong. A backend whose capabilities do not include
+``window`` gets a window cut into plain pieces (:func:`~seqpar.kernels.masks.band_pieces`).
 """
 
 from __future__ import annotations
@@ -34,16 +38,10 @@ import math
 
 import torch
 
-MASKS = ("none", "causal", "causal_strict")
+from .masks import MASKS, Band, BlockPlan, as_band, check_mask, plan_block
 
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-
-
-def check_mask(mask: str) -> None:
-    """Raise ``ValueError`` unless ``mask`` is one of :data:`MASKS`."""
-    if mask not in MASKS:
-        raise ValueError(f"mask={mask!r} is not supported: use one of {MASKS}")
 
 
 def check_scale(scale: float) -> None:
@@ -93,48 +91,6 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockPlan:
-    """The part of a masked ``[Tq, Tk]`` block that any key reaches.
-
-    Rows ``q_start:`` meet keys ``:k_stop``; if ``causal``, sub-row ``i`` sees
-    sub-key ``j`` iff ``j <= i`` (top-left), and ``k_stop <= Tq - q_start`` so
-    every sub-row sees key 0. Rows before ``q_start`` see nothing; keys from
-    ``k_stop`` on are seen by no row. ``empty``: no row sees any key.
-    """
-
-    q_start: int
-    k_stop: int
-    causal: bool
-    tq: int
-    tk: int
-
-    @property
-    def empty(self) -> bool:
-        return self.q_start >= self.tq or self.k_stop <= 0
-
-    @property
-    def square(self) -> bool:
-        """True when the sub-block is square (top-left == bottom-right causal)."""
-        return self.tq - self.q_start == self.k_stop
-
-
-def plan_block(tq: int, tk: int, mask: str) -> BlockPlan:
-    """Reduce ``mask`` on a ``[tq, tk]`` block (top-left aligned) to a :class:`BlockPlan`.
-
-    - ``none``: all rows, all keys.
-    - ``causal``: keys ``j >= tq`` are never visible, so keep ``:min(tk, tq)``.
-    - ``causal_strict``: query ``i`` sees ``j <= i - 1``: drop row 0 and run
-      plain causal on rows ``1:`` against keys ``:min(tk, tq - 1)``.
-    """
-    check_mask(mask)
-    if mask == "none":
-        return BlockPlan(0, tk, False, tq, tk)
-    if mask == "causal":
-        return BlockPlan(0, min(tk, tq), True, tq, tk)
-    return BlockPlan(1, max(0, min(tk, tq - 1)), True, tq, tk)
-
-
 #: Triton's exceptions for a kernel that cannot be built or launched with its configuration:
 #: compile errors (incl. static asserts), shared memory / registers beyond the GPU's limits, ptxas
 #: failures, no autotuning configuration left. Matched by class name along the MRO (no import of
@@ -181,6 +137,10 @@ class Capabilities:
     verification dtype and plain matmuls are the ground truth there).
     ``square_causal_only``: causal only when the reduced block is square
     (kernels with bottom-right alignment, e.g. flash-attn >= 2.1).
+    ``window``: serves a reduced window band itself (``forward`` / ``backward``
+    get ``window=Band``); otherwise dispatch cuts the window into plain
+    ``none`` / ``causal`` pieces (:func:`~seqpar.kernels.masks.band_pieces`),
+    some on reversed rows and keys, and merges them.
     """
 
     devices: frozenset[str]
@@ -193,6 +153,7 @@ class Capabilities:
     priority: int = 0
     preferred_dtypes: frozenset[torch.dtype] = frozenset()
     square_causal_only: bool = False
+    window: bool = False
 
 
 class Backend:
@@ -200,8 +161,9 @@ class Backend:
 
     Subclasses set ``name`` and ``caps`` and implement :meth:`forward` and
     :meth:`backward` on a *reduced* block (see :func:`plan_block`): inputs are
-    non-empty, ``causal`` means top-left causal with ``Tk <= Tq``, every row
-    sees at least one key, and the lse given to ``backward`` holds no ``-inf``
+    non-empty, ``causal`` means top-left causal with ``Tk <= Tq``, ``window``
+    (backends with ``caps.window`` only) a band with a bound that cuts the
+    block, every row sees at least one key, and the lse given to ``backward`` holds no ``-inf``
     (rows that saw nothing anywhere carry ``+inf`` there, which zeroes their
     probabilities). The public entry points in :mod:`seqpar.kernels.dispatch`
     do the reduction and the padding back.
@@ -219,8 +181,9 @@ class Backend:
         """Backend-specific refusal beyond :class:`Capabilities`; ``None`` = fits."""
         return None
 
-    def refusal(self, q, k, v, mask: str, for_backward: bool, has_out: bool) -> str | None:
-        """Why this backend cannot serve this case, or ``None`` if it can."""
+    def refusal(self, q, k, v, mask, for_backward: bool, has_out: bool) -> str | None:
+        """Why this backend cannot serve this case, or ``None`` if it can. A window band is
+        served natively (``caps.window``) or as plain pieces (the named masks it serves)."""
         c = self.caps
         if c.devices and q.device.type not in c.devices:
             return f"runs on {sorted(c.devices)}, not on {q.device.type}"
@@ -230,7 +193,10 @@ class Backend:
         if q.dtype not in c.dtypes:
             names = sorted(str(d).replace("torch.", "") for d in c.dtypes)
             return f"dtype {str(q.dtype).replace('torch.', '')} not in {names}"
-        if mask not in c.masks:
+        plan = plan_block(q.shape[1], k.shape[1], mask)
+        if plan.window is not None and not c.window and not {"none", "causal", "causal_strict"} <= c.masks:
+            return f"a window band needs the masks none, causal and causal_strict, not only {sorted(c.masks)}"
+        if plan.window is None and not isinstance(mask, Band) and mask not in c.masks:
             return f"mask {mask!r} not in {sorted(c.masks)}"
         d = q.shape[-1]
         if d % c.head_dim_multiple:
@@ -241,7 +207,6 @@ class Backend:
             return f"no GQA (Hq={q.shape[2]}, Hkv={k.shape[2]})"
         if for_backward and c.needs_out and not has_out:
             return "backward needs `out` (was given only `delta`)"
-        plan = plan_block(q.shape[1], k.shape[1], mask)
         if c.square_causal_only and plan.causal and not plan.empty and not plan.square:
             return (
                 f"causal only on square blocks (bottom-right aligned kernel); mask {mask!r} with "
@@ -259,7 +224,8 @@ class Backend:
         return (dtype in self.caps.preferred_dtypes, self.caps.priority)
 
     def forward(self, q, k, v, *, scale: float, causal: bool):
-        """Reduced block forward -> ``(out [B,Tq,Hq,D] q.dtype, lse [B,Hq,Tq] fp32/fp64)``."""
+        """Reduced block forward -> ``(out [B,Tq,Hq,D] q.dtype, lse [B,Hq,Tq] fp32/fp64)``.
+        Backends with ``caps.window`` also take ``window=Band`` (then ``causal`` is False)."""
         raise NotImplementedError
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, causal: bool, delta):

@@ -2,7 +2,9 @@
 
 ``block_forward`` / ``block_backward`` validate, pick a backend, reduce the
 mask to the visible sub-block (:func:`seqpar.kernels.base.plan_block`), run
-the backend there and pad the result back to the full block:
+the backend there and pad the result back to the full block (a window band
+runs natively on backends whose capabilities say ``window``, else as plain
+pieces, each dispatched in turn, merged in fp32):
 
 - rows that see no key get ``out = 0``, ``lse = -inf`` and ``dq = 0``;
 - keys that no row sees get ``dk = dv = 0``.
@@ -31,6 +33,8 @@ from .base import (
 )
 from .fallback import FAILED_KERNELS, Attempt, KernelCase
 from .flash import FlashAttnBackend
+from .masks import Band, band_pieces
+from .merge import merge_, new_accumulator
 from .reference import ReferenceBackend
 from .torch_ops import TorchCPUBackend, TorchCUDABackend
 from .triton_backend import TritonBackend
@@ -75,12 +79,17 @@ def _by_name(name: str) -> Backend:
     raise ValueError(f"backend={name!r} is unknown: use None (automatic) or one of {list(BACKEND_NAMES)}")
 
 
-def _candidates(q, k, v, mask: str, for_backward: bool, has_out: bool, reasons: list[str]):
+def _kind(plan: BlockPlan) -> str:
+    """The mask kind of a reduced block, as kernels are compiled for it."""
+    return "window" if plan.window is not None else "causal" if plan.causal else "none"
+
+
+def _candidates(q, k, v, mask, for_backward: bool, has_out: bool, reasons: list[str]):
     """Backends that can serve this block, best first (a generator: the refusals of the rest are
     only evaluated when needed); appends ``"  name: why"`` to ``reasons`` for each one that cannot,
     including those demoted for this case (:data:`FAILED_KERNELS`)."""
     plan = plan_block(q.shape[1], k.shape[1], mask)
-    case = KernelCase.of(q, k, "causal" if plan.causal else "none", for_backward)
+    case = KernelCase.of(q, k, _kind(plan), for_backward)
     for b in sorted(BACKENDS, key=lambda b: b.rank(q.dtype), reverse=True):
         why = b.refusal(q, k, v, mask, for_backward, has_out)
         failed = None if why else FAILED_KERNELS.reason(b.name, case)
@@ -92,7 +101,7 @@ def _candidates(q, k, v, mask: str, for_backward: bool, has_out: bool, reasons: 
             yield b
 
 
-def _no_backend(q, k, mask: str, for_backward: bool, reasons: list[str]) -> ValueError:
+def _no_backend(q, k, mask, for_backward: bool, reasons: list[str]) -> ValueError:
     return ValueError(
         f"no attention backend fits q {tuple(q.shape)} {q.dtype} on {q.device}, "
         f"k {tuple(k.shape)}, mask={mask!r}, {'backward' if for_backward else 'forward'}:\n"
@@ -105,7 +114,7 @@ def select_backend(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: str,
+    mask,
     backend: str | None = None,
     for_backward: bool = False,
     has_out: bool = True,
@@ -131,19 +140,64 @@ def select_backend(
     raise _no_backend(q, k, mask, for_backward, reasons)
 
 
-def _run(q, k, v, plan: BlockPlan, *, mask, backend, for_backward, has_out, call):
+def _run(q, k, v, plan: BlockPlan, *, mask, backend, for_backward, has_out, call, pieces):
     """``call(chosen)`` on the forced backend, or on the best capable one, demoting those whose
-    kernel fails to compile or launch (:class:`~seqpar.kernels.fallback.Attempt`) in turn."""
+    kernel fails to compile or launch (:class:`~seqpar.kernels.fallback.Attempt`) in turn. A
+    window band goes to ``pieces()`` when the backend that serves it lacks ``caps.window``."""
     if backend is not None:
-        return call(select_backend(q, k, v, mask=mask, backend=backend, for_backward=for_backward,
-                                   has_out=has_out))
+        chosen = select_backend(q, k, v, mask=mask, backend=backend, for_backward=for_backward, has_out=has_out)
+        return pieces() if plan.window is not None and not chosen.caps.window else call(chosen)
     reasons: list[str] = []
-    case = KernelCase.of(q, k, "causal" if plan.causal else "none", for_backward)
+    case = KernelCase.of(q, k, _kind(plan), for_backward)
     for chosen in _candidates(q, k, v, mask, for_backward, has_out, reasons):
+        if plan.window is not None and not chosen.caps.window:
+            return pieces()
         with Attempt(chosen, case) as attempt:
             return call(chosen)
         reasons.append(f"  {chosen.name}: failed to compile or launch here for {case}: {attempt.failed}")
     raise _no_backend(q, k, mask, for_backward, reasons)
+
+
+def _mask_args(plan: BlockPlan) -> dict:
+    return {"causal": plan.causal} if plan.window is None else {"causal": False, "window": plan.window}
+
+
+def _flip(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+    return None if x is None else torch.flip(x, (dim,))
+
+
+def _pieces_forward(q, k, v, band: Band, scale: float, backend):
+    """A reduced window block as plain pieces (:func:`~seqpar.kernels.masks.band_pieces`), each a
+    block call of its own (reversed rows and keys where the piece says so), merged in fp32."""
+    out, lse = new_accumulator(q.shape, q.device, dtype=lse_dtype(q.dtype))
+    for p in band_pieces(q.shape[1], k.shape[1], band):
+        qp, kp, vp = q[:, p.q0:p.q1], k[:, p.k0:p.k1], v[:, p.k0:p.k1]
+        if p.flip:
+            qp, kp, vp = (_flip(x, 1) for x in (qp, kp, vp))
+        o, l_ = block_forward(qp, kp, vp, scale=scale, mask=p.mask, backend=backend)
+        if p.flip:
+            o, l_ = _flip(o, 1), _flip(l_, 2)
+        merge_(out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], o, l_)
+    return out.to(q.dtype), lse
+
+
+def _pieces_backward(dout, q, k, v, out, lse, delta, band: Band, scale: float, backend):
+    """Gradients of a reduced window block from its pieces, summed in fp32 (see _pieces_forward)."""
+    acc = lse_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+    for p in band_pieces(q.shape[1], k.shape[1], band):
+        rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
+        args = [dout[:, rows], q[:, rows], k[:, keys], v[:, keys], None if out is None else out[:, rows]]
+        stats = [lse[..., rows], None if delta is None else delta[..., rows]]
+        if p.flip:
+            args, stats = [_flip(x, 1) for x in args], [_flip(x, 2) for x in stats]
+        grads = block_backward(*args, stats[0], scale=scale, mask=p.mask, backend=backend, delta=stats[1])
+        if p.flip:
+            grads = [_flip(g, 1) for g in grads]
+        dq[:, rows] += grads[0]
+        dk[:, keys] += grads[1]
+        dv[:, keys] += grads[2]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def block_forward(
@@ -152,14 +206,14 @@ def block_forward(
     v: torch.Tensor,
     *,
     scale: float,
-    mask: str = "none",
+    mask="none",
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block with its log-sum-exp.
 
     ``q [B, Tq, Hq, D]``, ``k``/``v [B, Tk, Hkv, D]`` (``Hq % Hkv == 0``, K/V
-    never expanded on the wire). ``mask`` is one of ``MASKS``, aligned
-    top-left when ``Tq != Tk``. Returns ``out [B, Tq, Hq, D]`` in q's dtype
+    never expanded on the wire). ``mask`` is one of ``MASKS`` or a
+    :class:`~seqpar.kernels.masks.Band`, aligned top-left when ``Tq != Tk``. Returns ``out [B, Tq, Hq, D]`` in q's dtype
     and ``lse [B, Hq, Tq]`` fp32 (fp64 for fp64 inputs); a row that sees no
     key has ``out = 0``, ``lse = -inf``.
     """
@@ -172,16 +226,20 @@ def block_forward(
         out = q.new_zeros(q.shape)
         lse = torch.full((b, hq, tq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
         return out, lse
-    rows, keys = slice(plan.q_start, None), slice(None, plan.k_stop)
+    rows, keys = slice(plan.q_start, plan.q_stop), slice(plan.k_start, plan.k_stop)
+    qr, kr, vr = q[:, rows], k[:, keys], v[:, keys]
     out, lse = _run(
         q, k, v, plan, mask=mask, backend=backend, for_backward=False, has_out=True,
-        call=lambda chosen: chosen.forward(q[:, rows], k[:, keys], v[:, keys], scale=float(scale),
-                                           causal=plan.causal),
+        call=lambda chosen: chosen.forward(qr, kr, vr, scale=float(scale), **_mask_args(plan)),
+        pieces=lambda: _pieces_forward(qr, kr, vr, plan.window, float(scale), backend),
     )
     lse = lse.to(lse_dtype(q.dtype))
-    if plan.q_start:
-        out = torch.cat((out.new_zeros(b, plan.q_start, hq, d), out), dim=1)
-        lse = torch.cat((lse.new_full((b, hq, plan.q_start), float("-inf")), lse), dim=2)
+    before, after = plan.q_start, tq - plan.q_stop
+    if before or after:
+        out = torch.cat([x for x in (out.new_zeros(b, before, hq, d), out, out.new_zeros(b, after, hq, d)) if x.shape[1]],
+                        dim=1)
+        lse = torch.cat([x for x in (lse.new_full((b, hq, before), float("-inf")), lse,
+                                     lse.new_full((b, hq, after), float("-inf"))) if x.shape[2]], dim=2)
     return out, lse
 
 
@@ -199,7 +257,7 @@ def block_backward(
     lse: torch.Tensor,
     *,
     scale: float,
-    mask: str = "none",
+    mask="none",
     backend: str | None = None,
     delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -229,23 +287,32 @@ def block_backward(
     if plan.empty or b == 0 or hq == 0 or d == 0:
         select_backend(q, k, v, mask=mask, backend=backend, for_backward=True, has_out=out is not None)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    rows, keys = slice(plan.q_start, None), slice(None, plan.k_stop)
+    rows, keys = slice(plan.q_start, plan.q_stop), slice(plan.k_start, plan.k_stop)
     acc = lse_dtype(q.dtype)
     lse_r = lse[..., rows].to(acc)
     # A row that saw no key anywhere has lse -inf; +inf makes its P exactly 0
     # (exp(s - inf)) where -inf would give exp(-inf + inf) = NaN.
     lse_r = torch.where(torch.isneginf(lse_r), float("inf"), lse_r)
+    dor, qr, kr, vr = dout[:, rows], q[:, rows], k[:, keys], v[:, keys]
+    outr = None if out is None else out[:, rows]
+    delta_r = None if delta is None else delta[..., rows].to(acc)
     dq, dk, dv = _run(
         q, k, v, plan, mask=mask, backend=backend, for_backward=True, has_out=out is not None,
-        call=lambda chosen: chosen.backward(
-            dout[:, rows], q[:, rows], k[:, keys], v[:, keys], None if out is None else out[:, rows], lse_r,
-            scale=float(scale), causal=plan.causal, delta=None if delta is None else delta[..., rows].to(acc),
-        ),
+        call=lambda chosen: chosen.backward(dor, qr, kr, vr, outr, lse_r, scale=float(scale), delta=delta_r,
+                                            **_mask_args(plan)),
+        pieces=lambda: _pieces_backward(dor, qr, kr, vr, outr, lse_r, delta_r, plan.window, float(scale), backend),
     )
-    if plan.q_start:
-        dq = torch.cat((dq.new_zeros(b, plan.q_start, hq, d), dq), dim=1)
-    if plan.k_stop < tk:
-        pad = (b, tk - plan.k_stop, k.shape[2], d)
-        dk = torch.cat((dk, dk.new_zeros(pad)), dim=1)
-        dv = torch.cat((dv, dv.new_zeros(pad)), dim=1)
-    return dq, dk, dv
+    return _pad(dq, 1, plan.q_start, tq - plan.q_stop), _pad(dk, 1, plan.k_start, tk - plan.k_stop), \
+        _pad(dv, 1, plan.k_start, tk - plan.k_stop)
+
+
+def _pad(x: torch.Tensor, dim: int, before: int, after: int) -> torch.Tensor:
+    """``x`` with ``before`` zero rows in front of it and ``after`` behind, along ``dim``."""
+    if not before and not after:
+        return x
+    parts = []
+    for n in (before, after):
+        shape = list(x.shape)
+        shape[dim] = n
+        parts.append(x.new_zeros(shape))
+    return torch.cat([p for p in (parts[0], x, parts[1]) if p.shape[dim]], dim=dim)

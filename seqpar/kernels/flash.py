@@ -20,6 +20,11 @@ in flash-attn >= 2.1, so it serves causal only when the reduced block of
 :func:`seqpar.kernels.base.plan_block` is square, where both alignments agree:
 that covers ``causal`` with ``Tq <= Tk`` and ``causal_strict`` with
 ``Tq <= Tk + 1`` (rows ``1:`` against keys ``:Tq-1``, the shifted diagonal).
+
+Windows are native: flash-attn's ``window_size=(left, right)`` lets query ``i`` see keys
+``i + Tk - Tq - left .. i + Tk - Tq + right`` (bottom-right aligned, -1 = unbounded), so a reduced
+band ``(lo, hi)`` is ``left = Tk - Tq - lo``, ``right = hi - (Tk - Tq)``; both are >= 0 on a
+reduced block (its first key is seen by row 0 and its last row sees a key), whatever its shape.
 """
 
 from __future__ import annotations
@@ -68,6 +73,15 @@ def arch_refusal(version: str, capability: tuple[int, int]) -> str | None:
     return f"flash_attn {version} runs on sm_8x and sm_90 only (>= 2.7.3 for other GPUs), got {capability}"
 
 
+def window_size(tq: int, tk: int, window) -> tuple[int, int]:
+    """flash-attn's ``(left, right)`` for a reduced band on a ``[tq, tk]`` block (``(-1, -1)``:
+    no window); see the module docstring."""
+    if window is None:
+        return -1, -1
+    shift = tk - tq  # flash-attn aligns bottom-right: query i's diagonal is key i + shift
+    return (-1 if window.lo is None else shift - window.lo), (-1 if window.hi is None else window.hi - shift)
+
+
 class FlashAttnBackend(Backend):
     """flash-attn 2 kernels on CUDA, fp16/bf16, D % 8 == 0, D <= 256."""
 
@@ -80,6 +94,7 @@ class FlashAttnBackend(Backend):
         needs_out=True,  # the kernel derives delta from `out`
         priority=40,
         square_causal_only=True,
+        window=True,
     )
 
     def unavailable(self, device):
@@ -92,17 +107,19 @@ class FlashAttnBackend(Backend):
 
         return arch_refusal(flash_attn.__version__, torch.cuda.get_device_capability(device))
 
-    def forward(self, q, k, v, *, scale, causal):
+    def forward(self, q, k, v, *, scale, causal, window=None):
         fa, _ = _load()
         with torch.no_grad():
             out, lse, _ = fa.flash_attn_func(
-                q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True
+                q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal,
+                window_size=window_size(q.shape[1], k.shape[1], window), return_attn_probs=True
             )
         return out, lse[..., : q.shape[1]]
 
-    def backward(self, dout, q, k, v, out, lse, *, scale, causal, delta):
+    def backward(self, dout, q, k, v, out, lse, *, scale, causal, delta, window=None):
         fa, _ = _load()
         dt = q.dtype
+        left, right = window_size(q.shape[1], k.shape[1], window)
         q, k, v = (x.contiguous() for x in (q, k, v))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         fa._flash_attn_backward(
@@ -118,8 +135,8 @@ class FlashAttnBackend(Backend):
             dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
+            window_size_left=left,
+            window_size_right=right,
             softcap=0.0,
             alibi_slopes=None,
             deterministic=False,

@@ -42,15 +42,19 @@ def _kv(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return x.to(acc).transpose(1, 2)
 
 
-def _scores(qf, kf, scale: float, causal: bool, tq: int) -> torch.Tensor:
-    """Scaled scores ``[B, Hkv, g*Tq, Tk]`` with top-left causal masking (-inf)."""
+def _scores(qf, kf, scale: float, causal: bool, tq: int, window=None) -> torch.Tensor:
+    """Scaled scores ``[B, Hkv, g*Tq, Tk]`` with top-left causal or ``window`` band masking (-inf)."""
     s = torch.matmul(qf, kf.transpose(-1, -2)).mul_(scale)
-    if causal:
+    lo, hi = (window.lo, window.hi) if window is not None else (None, 0 if causal else None)
+    if lo is not None or hi is not None:
         tk = kf.shape[-2]
-        rows = torch.arange(tq, device=s.device).unsqueeze(1)
-        cols = torch.arange(tk, device=s.device).unsqueeze(0)
-        hidden = (cols > rows).repeat(s.shape[-2] // tq, 1)  # same mask for each of the g heads
-        s.masked_fill_(hidden, float("-inf"))
+        diag = torch.arange(tk, device=s.device).unsqueeze(0) - torch.arange(tq, device=s.device).unsqueeze(1)
+        hidden = torch.zeros_like(diag, dtype=torch.bool)
+        if hi is not None:
+            hidden |= diag > hi
+        if lo is not None:
+            hidden |= diag < lo
+        s.masked_fill_(hidden.repeat(s.shape[-2] // tq, 1), float("-inf"))  # same mask for each of the g heads
     return s
 
 
@@ -63,12 +67,13 @@ class ReferenceBackend(Backend):
         dtypes=FLOAT_DTYPES,
         priority=0,
         preferred_dtypes=frozenset({torch.float64}),
+        window=True,
     )
 
-    def forward(self, q, k, v, *, scale, causal):
+    def forward(self, q, k, v, *, scale, causal, window=None):
         acc = lse_dtype(q.dtype)
         hkv, tq = k.shape[2], q.shape[1]
-        s = _scores(_fold_q(q, hkv, acc), _kv(k, acc), scale, causal, tq)
+        s = _scores(_fold_q(q, hkv, acc), _kv(k, acc), scale, causal, tq, window)
         lse = torch.logsumexp(s, dim=-1)
         # The plan guarantees every row sees a key; still never form -inf - -inf.
         p = torch.exp(s - torch.where(torch.isneginf(lse), float("inf"), lse).unsqueeze(-1))
@@ -76,7 +81,7 @@ class ReferenceBackend(Backend):
         b, hq = q.shape[0], q.shape[2]
         return _unfold_q(out, tq).to(q.dtype), lse.view(b, hq, tq)
 
-    def backward(self, dout, q, k, v, out, lse, *, scale, causal, delta):
+    def backward(self, dout, q, k, v, out, lse, *, scale, causal, delta, window=None):
         acc = lse_dtype(q.dtype)
         hkv, tq = k.shape[2], q.shape[1]
         qf = _fold_q(q, hkv, acc)
@@ -84,7 +89,7 @@ class ReferenceBackend(Backend):
         dof = _fold_q(dout, hkv, acc)
         if delta is None:
             delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, Hq, Tq]
-        s = _scores(qf, kf, scale, causal, tq)
+        s = _scores(qf, kf, scale, causal, tq, window)
         # P with the FINAL lse of the row: block gradients then add up exactly.
         p = torch.exp(s - _fold_rows(lse.to(acc), hkv).unsqueeze(-1))
         dv = torch.matmul(p.transpose(-1, -2), dof)

@@ -6,9 +6,10 @@ Shapes (one packed stream, batch 1; per rank when called inside a ring step):
 - ``out``: ``[1, Tq, Hq, D]`` in q's dtype; ``lse``: ``[1, Hq, Tq]`` fp32 (fp64 for fp64 inputs).
 
 A :class:`Segment` says: rows ``q_start : q_start + q_len`` of q meet rows
-``k_start : k_start + k_len`` of k/v under ``mask`` (one of ``MASKS``), aligned
-TOP-LEFT inside the segment (segment-local query ``i`` and key ``j`` counted
-from 0: ``causal`` is ``j <= i``, ``causal_strict`` is ``j < i``). Several
+``k_start : k_start + k_len`` of k/v under ``mask`` (one of ``MASKS`` or a
+:class:`~seqpar.kernels.masks.Band`), aligned TOP-LEFT inside the segment
+(segment-local query ``i`` and key ``j`` counted from 0: ``causal`` is
+``j <= i``, ``causal_strict`` is ``j < i``, a band ``lo <= j - i <= hi``). Several
 segments may cover the same query rows: their partial results are merged
 (:func:`seqpar.kernels.merge_`), i.e. the softmax runs over the union of their
 keys, so give each row disjoint key sets. Rows covered by no segment get
@@ -42,13 +43,10 @@ import torch
 
 from .base import MASKS, check_mask, check_qkv, check_scale, lse_dtype, plan_block
 from .dispatch import block_backward, block_forward
+from .flash import window_size
+from .masks import Band, as_band, canonical, visible_pairs
 from .merge import merge_, new_accumulator
-from .varlen_flash import (
-    flash_backward_parts,
-    flash_forward_parts,
-    flash_run,
-    use_flash,
-)
+from .varlen_flash import flash_backward_parts, flash_forward_parts, flash_run, use_flash
 
 
 class TensorCache:
@@ -77,15 +75,6 @@ class TensorCache:
         return f"TensorCache({len(self._items)} entries)"
 
 
-def visible_pairs(q_len: int, k_len: int, mask: str) -> int:
-    """Number of (query, key) pairs a ``[q_len, k_len]`` block sees under ``mask`` (top-left)."""
-    if mask == "none":
-        return q_len * k_len
-    shift = 0 if mask == "causal" else 1
-    a = max(0, min(q_len, k_len + shift))  # rows i that see i + 1 - shift keys (< k_len)
-    return a * (a + 1) // 2 - shift * a + (q_len - a) * k_len
-
-
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """Rows ``q_start : q_start + q_len`` of q against rows ``k_start : k_start + k_len`` of k/v.
@@ -97,7 +86,7 @@ class Segment:
     q_len: int
     k_start: int
     k_len: int
-    mask: str = "none"
+    mask: str | Band = "none"
 
     @property
     def pairs(self) -> int:
@@ -105,9 +94,13 @@ class Segment:
         return visible_pairs(self.q_len, self.k_len, self.mask)
 
     def trimmed(self) -> "Segment":
-        """The same segment with keys no row can see dropped (causal: ``k_len <= q_len``)."""
+        """The same segment with keys no row can see dropped (causal: ``k_len <= q_len``); a band
+        also loses the rows and leading keys outside it (re-expressed on what is left)."""
         p = plan_block(self.q_len, self.k_len, self.mask)
-        return dataclasses.replace(self, k_len=0 if p.empty else p.k_stop)
+        if p.empty or not isinstance(self.mask, Band):
+            return dataclasses.replace(self, k_len=0 if p.empty else p.k_stop)
+        return Segment(self.q_start + p.q_start, p.rows, self.k_start + p.k_start, p.keys,
+                       canonical(as_band(self.mask).shifted(p.q_start, p.k_start)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +109,7 @@ class SegmentBatch:
 
     q_len: int
     k_len: int
-    mask: str
+    mask: str | Band
     q_starts: tuple[int, ...]
     k_starts: tuple[int, ...]
 
@@ -140,6 +133,7 @@ class PackedCall:
     cu_k: tuple[int, ...]
     max_q: int
     max_k: int
+    window: tuple[int, int] = (-1, -1)
 
 
 def _colour(items: list[tuple], length: Callable[[tuple], int]) -> list[list[tuple]]:
@@ -174,32 +168,35 @@ def _plan_batches(segments: Iterable[Segment]) -> tuple[SegmentBatch, ...]:
     return tuple(batches)
 
 
-def _pieces(seg: Segment) -> list[tuple[int, int, int, int, bool]]:
-    """A segment as ``(q_start, q_len, k_start, k_len, causal)`` pieces whose causal ones are square."""
+def _pieces(seg: Segment) -> list[tuple[int, int, int, int, bool, tuple[int, int]]]:
+    """A segment as ``(q_start, q_len, k_start, k_len, causal, window)`` pieces whose causal ones
+    are square; a window piece carries flash-attn's ``(left, right)`` for its reduced block."""
     p = plan_block(seg.q_len, seg.k_len, seg.mask)
     if p.empty:
         return []
-    q0, rows = seg.q_start + p.q_start, seg.q_len - p.q_start
+    q0, rows, k0 = seg.q_start + p.q_start, p.rows, seg.k_start + p.k_start
+    if p.window is not None:
+        return [(q0, rows, k0, p.keys, False, window_size(rows, p.keys, p.window))]
     if not p.causal:
-        return [(q0, rows, seg.k_start, p.k_stop, False)]
-    out = [(q0, p.k_stop, seg.k_start, p.k_stop, True)]  # square causal diagonal
-    if rows > p.k_stop:  # rows below the diagonal see every kept key
-        out.append((q0 + p.k_stop, rows - p.k_stop, seg.k_start, p.k_stop, False))
+        return [(q0, rows, k0, p.keys, False, (-1, -1))]
+    out = [(q0, p.keys, k0, p.keys, True, (-1, -1))]  # square causal diagonal
+    if rows > p.keys:  # rows below the diagonal see every kept key
+        out.append((q0 + p.keys, rows - p.keys, k0, p.keys, False, (-1, -1)))
     return out
 
 
 def _plan_packed(segments: Iterable[Segment]) -> tuple[PackedCall, ...]:
     pieces = [pc for seg in segments for pc in _pieces(seg)]
     calls = []
-    for flag in (False, True):
-        for layer in _colour([pc for pc in pieces if pc[4] == flag], lambda pc: pc[1]):
+    for kind in sorted({(pc[4], pc[5]) for pc in pieces}):
+        for layer in _colour([pc for pc in pieces if (pc[4], pc[5]) == kind], lambda pc: pc[1]):
             cu_q, cu_k = [0], [0]
             for pc in layer:
                 cu_q.append(cu_q[-1] + pc[1])
                 cu_k.append(cu_k[-1] + pc[3])
             calls.append(PackedCall(
-                flag, tuple((pc[0], pc[1]) for pc in layer), tuple((pc[2], pc[3]) for pc in layer),
-                tuple(cu_q), tuple(cu_k), max(pc[1] for pc in layer), max(pc[3] for pc in layer)))
+                kind[0], tuple((pc[0], pc[1]) for pc in layer), tuple((pc[2], pc[3]) for pc in layer),
+                tuple(cu_q), tuple(cu_k), max(pc[1] for pc in layer), max(pc[3] for pc in layer), kind[1]))
     return tuple(calls)
 
 
@@ -449,5 +446,5 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     return dq_a.to(q.dtype), dk_a.to(k.dtype), dv_a.to(v.dtype)
 
 
-__all__ = ["MASKS", "PackedCall", "Segment", "SegmentBatch", "TensorCache", "VarlenSegments", "varlen_backward",
-           "varlen_forward", "visible_pairs"]
+__all__ = ["MASKS", "Band", "PackedCall", "Segment", "SegmentBatch", "TensorCache", "VarlenSegments",
+           "varlen_backward", "varlen_forward", "visible_pairs"]

@@ -54,7 +54,7 @@ def flash_forward_parts(q, k, v, segments, scale: float):
             o, lse, _ = fa.flash_attn_varlen_func(
                 q[0].index_select(0, qi), k[0].index_select(0, ki), v[0].index_select(0, ki),
                 cu_q, cu_k, call.max_q, call.max_k, dropout_p=0.0, softmax_scale=float(scale),
-                causal=call.causal, return_attn_probs=True)
+                causal=call.causal, window_size=call.window, return_attn_probs=True)
         if lse.dim() != 2:  # flash-attn >= 2.7 returns unpadded [Hq, total_q]
             raise RuntimeError(f"flash_attn_varlen_func returned lse of shape {tuple(lse.shape)}, "
                                "expected [Hq, total_q] (flash-attn >= 2.7)")
@@ -74,7 +74,7 @@ def flash_backward_parts(dout, q, k, v, out, lse, segments, scale: float):
             dout[0].index_select(0, qi).to(dt), qp, kp, vp, out[0].index_select(0, qi).to(dt),
             lse[0].index_select(1, qi).float().contiguous(), dq, dk, dv, cu_q, cu_k,
             call.max_q, call.max_k, dropout_p=0.0, softmax_scale=float(scale), causal=call.causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            window_size_left=call.window[0], window_size_right=call.window[1], softcap=0.0, alibi_slopes=None,
             deterministic=False, rng_state=None)
         parts.append((qi, ki, dq, dk, dv))
     return parts
