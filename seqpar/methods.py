@@ -15,7 +15,10 @@ A :class:`Method` says what the rest of the library needs to know about a method
   ``"alltoall"``; linear: ``"chain"`` or ``"allgather"``).
 - capabilities: ``causal_balanced`` (every rank gets the same causal work; checked against the
   schedules by the tests), ``packed`` (packed variable-length input), ``adaptive`` (runs on the
-  1-D groups of ``seqpar train --adaptive`` for any head count).
+  1-D groups of ``seqpar train --adaptive`` for any head count), ``window`` (sliding windows,
+  causal and symmetric: ``seqpar.attention(..., window=W)``; a ring-family method names its
+  windowed plan builder in ``window_plan``, ``(rank, n, t_local, causal, transport, window) ->
+  plan``; usp serves a window when its ring method does).
 - cost traits, read by :mod:`seqpar.schedulers.cost`: ``comm`` (the communication structure of
   its cost model), ``buffers`` (the per-token buffers a rank holds besides activations) and
   ``preference`` (the planner's tie-break: of two methods with equal modelled cost, the lower wins).
@@ -53,6 +56,8 @@ class Method:
     causal_balanced: bool = True
     packed: bool = True
     adaptive: bool = False
+    window: bool = False
+    window_plan: str | None = None
 
     def __post_init__(self) -> None:
         for field, value, allowed in (("family", self.family, FAMILIES), ("layout", self.layout, LAYOUTS),
@@ -61,6 +66,9 @@ class Method:
                 raise ValueError(f"Method {self.name!r}: {field}={value!r} is not one of {allowed}")
         if self.family == "ring" and (self.plan is None or ":" not in self.plan):
             raise ValueError(f"Method {self.name!r}: a ring-family method needs plan='module:function'")
+        if self.family == "ring" and self.window and (self.window_plan is None or ":" not in self.window_plan):
+            raise ValueError(f"Method {self.name!r}: a ring-family method with window=True needs "
+                             "window_plan='module:function'")
 
     @property
     def softmax(self) -> bool:
@@ -73,34 +81,40 @@ class Method:
 
 
 _PLANS = "seqpar.softmax.plans"
+_WINDOW = "seqpar.softmax.window"
 
 #: Every method, softmax first, in the order of the README's tables.
 DECLARED: tuple[Method, ...] = (
     Method("ring", family="ring", layout="contiguous", transport="p2p", plan=f"{_PLANS}:ring_plan",
            comm="kv_ring", buffers="kv_double", preference=7, causal_balanced=False, adaptive=True,
+           window=True, window_plan=f"{_WINDOW}:ring_window_plan",
            summary="K,V pass around the ring; contiguous shards (causal load is unbalanced)."),
     Method("zigzag_ring", family="ring", layout="zigzag", transport="p2p", plan=f"{_PLANS}:zigzag_plan",
            comm="kv_ring", buffers="kv_double", preference=0, adaptive=True,
+           window=True, window_plan=f"{_WINDOW}:zigzag_window_plan",
            summary="ring with chunks r and 2N-1-r per rank: balanced causal work."),
     Method("striped_ring", family="ring", layout="striped", transport="p2p", plan=f"{_PLANS}:striped_plan",
            comm="kv_ring", buffers="kv_double", preference=6, adaptive=True,
+           window=True, window_plan=f"{_WINDOW}:striped_window_plan",
            summary="ring with token i on rank i mod N: balanced causal work."),
     Method("allgather_kv", family="ring", layout="zigzag", transport="allgather", plan=f"{_PLANS}:zigzag_plan",
            comm="kv_allgather", buffers="kv_gathered", preference=5, adaptive=True,
+           window=True, window_plan=f"{_WINDOW}:zigzag_window_plan",
            summary="all-gather K,V once, local Q against what it needs; reduce-scatter dK,dV."),
     Method("token_ring", family="ring", layout="zigzag", transport="p2p",
            plan="seqpar.softmax.token_ring:token_ring_plan", comm="schedule", buffers="q_partials", preference=3,
+           window=True, window_plan="seqpar.softmax.token_ring:token_ring_window_plan",
            summary="K,V stay; Q travels one hop per step, partial outputs go straight home (both link directions)."),
     Method("lightseq", family="ring", layout="contiguous", transport="p2p",
            plan="seqpar.softmax.lightseq:lightseq_plan", comm="schedule", buffers="kv_double", preference=4,
-           causal_balanced=False,
+           causal_balanced=False, window=True, window_plan="seqpar.softmax.lightseq:lightseq_window_plan",
            summary="contiguous causal, balanced by helper ranks that compute for the busiest (DistAttn)."),
     Method("ulysses", family="ulysses", layout="contiguous", transport="alltoall", plan=None, comm="alltoall",
-           buffers="head_shards", preference=1,
+           buffers="head_shards", preference=1, window=True,
            summary="all-to-all to head shards, full local attention, all-to-all back; KV heads sent only to "
                    "the ranks that use them (GQA)."),
     Method("usp", family="usp", layout="usp", transport="alltoall", plan=None, comm="alltoall_ring",
-           buffers="head_shards", preference=2,
+           buffers="head_shards", preference=2, window=True,
            summary="2-D: Ulysses inside one mesh axis, any ring-family method across the other "
                    "(ring_method=, ulysses_degree=)."),
     Method("zeco", family="linear", layout="contiguous", transport="chain", plan="zeco",
@@ -157,6 +171,22 @@ def ring_method(name: str | None) -> Method:
     return method(DEFAULT_RING_METHOD if name is None else name, argument="ring_method", kind="ring")
 
 
+def check_window(decl: Method, window, ring_method_name=None) -> None:
+    """ValueError naming ``window`` unless it is None or an int >= 1 that ``decl`` serves (usp: and
+    its ring method); raised locally, before any communication."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not hasattr(window, "__index__") or int(window) < 1:
+        raise ValueError(f"window={window!r}: expected None or an int >= 1 (tokens a query sees: itself and the "
+                         "window - 1 before it when causal, |i - j| < window otherwise)")
+    served = decl.window and (decl.name != "usp" or ring_method(ring_method_name).window)
+    if not served:
+        which = names("softmax")
+        ok = [m for m in which if next(d for d in DECLARED if d.name == m).window]
+        what = f"ring_method={ring_method(ring_method_name).name!r}" if decl.name == "usp" else f"method={decl.name!r}"
+        raise ValueError(f"window={window}: {what} does not serve a sliding window; use one of {', '.join(ok)}")
+
+
 def check_usp_options(name, ulysses_degree, ring_method_name) -> None:
     """ValueError when a usp-only option (``ulysses_degree``, ``ring_method``) is given to another method."""
     if name != "usp":
@@ -166,5 +196,5 @@ def check_usp_options(name, ulysses_degree, ring_method_name) -> None:
                                  f"drop it, or use method='usp'")
 
 
-__all__ = ["ADAPTIVE_METHODS", "BY_PREFERENCE", "DEFAULT_RING_METHOD", "check_usp_options", "ring_method", "ALL_METHODS", "BUFFER_KINDS", "COMM_KINDS", "DECLARED", "FAMILIES", "LAYOUTS",
+__all__ = ["ADAPTIVE_METHODS", "BY_PREFERENCE", "DEFAULT_RING_METHOD", "check_usp_options", "check_window", "ring_method", "ALL_METHODS", "BUFFER_KINDS", "COMM_KINDS", "DECLARED", "FAMILIES", "LAYOUTS",
            "LINEAR_METHODS", "METHODS", "Method", "RING_METHODS", "method", "names"]

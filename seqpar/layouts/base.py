@@ -40,6 +40,19 @@ class Layout:
         tokens, a prefix of its rows): ``sum(p < L for p in positions(T, n, rank))``."""
         raise NotImplementedError
 
+    def pieces(self, T: int, n: int, rank: int) -> tuple[tuple[int, int, int, int], ...]:
+        """``rank``'s rows as arithmetic runs ``(local_start, length, global_start, stride)``: local
+        row ``local_start + i`` is global position ``global_start + stride * i``. Sliding windows
+        derive their bands from these (:func:`seqpar.kernels.window_band`). Default: the maximal
+        runs of consecutive positions."""
+        runs: list[list[int]] = []
+        for row, p in enumerate(self.positions(T, n, rank)):
+            if runs and p == runs[-1][2] + runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([row, 1, p, 1])
+        return tuple(tuple(r) for r in runs)
+
     def token_indices(self, T: int, n: int, rank: int, device=None) -> torch.Tensor:
         """:meth:`positions` as an int64 tensor on ``device``."""
         return torch.tensor(self.positions(T, n, rank), dtype=torch.int64, device=device)
@@ -108,6 +121,9 @@ class Striped(Layout):
 
     def positions(self, T, n, rank):
         return list(range(rank, T, n))
+
+    def pieces(self, T, n, rank):
+        return ((0, T // n, rank, n),) if T >= n else ()
 
     def real_count(self, L, T, n, rank):
         return max(0, -(-(L - rank) // n))

@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from ..kernels.masks import window_band
 from ..kernels.varlen import Segment, TensorCache, VarlenSegments
 from .packed import PackedLayout
 
@@ -22,11 +23,13 @@ class PackedHeads:
     ``order[p]``: row of the rank-major gathered stream ``[N * t_local]`` (rank m's piece of every
     document, then rank m+1's, ...) at position p of the document-major stream, where document d
     occupies ``N * local_cu_seqlens[d]`` onwards, real tokens first. ``segments``: one segment per
-    document over its real tokens of the document-major stream.
+    document over its real tokens of the document-major stream, under the causal or full mask, or
+    a ``window`` band (:func:`~seqpar.kernels.window_band`).
     """
 
     layout: PackedLayout
     causal: bool
+    window: int | None = None
     order: tuple[int, ...] = dataclasses.field(init=False, repr=False)
     segments: VarlenSegments = dataclasses.field(init=False, repr=False)
     cache: TensorCache = dataclasses.field(init=False, repr=False, compare=False)
@@ -37,6 +40,8 @@ class PackedHeads:
             raise ValueError(f"PackedHeads needs the contiguous layout of Ulysses, got {pl.kind!r}")
         t, order, segs = pl.t_local, [], []
         mask = "causal" if self.causal else "none"
+        if self.window is not None:
+            mask = window_band(0, self.window, self.causal)
         for o, h, L in zip(pl.local_cu_seqlens, pl.chunk_lens, pl.doc_lens):
             for m in range(n):
                 order.extend(range(m * t + o, m * t + o + h))
@@ -58,9 +63,9 @@ class PackedHeads:
         return self.cache.get(("index", str(device)), build)
 
 
-def packed_heads(layout: PackedLayout, causal: bool) -> PackedHeads:
+def packed_heads(layout: PackedLayout, causal: bool, window: int | None = None) -> PackedHeads:
     """The :class:`PackedHeads` of ``layout`` (cached on the layout)."""
-    return layout.cache.get(("heads", bool(causal)), lambda: PackedHeads(layout, bool(causal)))
+    return layout.cache.get(("heads", bool(causal), window), lambda: PackedHeads(layout, bool(causal), window))
 
 
 __all__ = ["PackedHeads", "packed_heads"]

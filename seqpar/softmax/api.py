@@ -17,21 +17,24 @@ from ..comm.agreement import (
     shape_of,
 )
 from ..comm.usp_groups import describe_usp
-from ..kernels import available_backends, check_qkv, select_backend
+from ..kernels import Band, available_backends, check_qkv, select_backend
 from ..layouts import PackedLayout, check_cu_seqlens, placement
-from ..methods import Method, check_usp_options
+from ..methods import Method, check_usp_options, check_window
 from ..methods import method as declared
 from .executor import RingAttention, RingConfig
 from .packed import packed_schedule
 from .registry import dense_plan
 from .ulysses import run_ulysses
 from .usp import run_usp
+from .window import effective_window
 
 _GRAD_COMM = {None: None, "fp32": torch.float32, "float32": torch.float32, "input": "input"}
 
 
-def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, grad_comm_dtype, info):
+def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, grad_comm_dtype, info, window=None,
+              ring_method=None):
     spec = declared(method, kind="softmax")
+    check_window(spec, window, ring_method)
     check_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected True or False, got {causal!r}")
@@ -53,8 +56,10 @@ def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, gr
             raise ValueError(f"backend={backend!r} is unknown; choose one of {', '.join(available_backends(True))}")
     # Resolve the kernel for the masks the plan uses, here on every rank, before any communication:
     # an unsupported case fails the same way everywhere instead of hanging the ring.
-    masks = {"none"} | ({"causal", "causal_strict"} if causal else set())
-    for mask in sorted(masks):
+    masks = sorted({"none"} | ({"causal", "causal_strict"} if causal else set()))
+    if window is not None:  # a band that cuts a block: native, or as plain pieces
+        masks.append(Band(-1, 0) if causal else Band(-1, 1))
+    for mask in masks:
         select_backend(q, k, v, mask=mask, backend=backend)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             select_backend(q, k, v, mask=mask, backend=backend, for_backward=True)
@@ -91,7 +96,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
               causal: bool = False, softmax_scale: float | None = None, cu_seqlens=None,
               backend: str | None = None, stats: CommStats | None = None,
               grad_comm_dtype: str | None = None, ulysses_degree: int | None = None,
-              ring_method: str | None = None, check_ranks: bool | None = None) -> torch.Tensor:
+              ring_method: str | None = None, check_ranks: bool | None = None,
+              window: int | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence split across the ranks of ``group``.
 
     Shapes (N = ranks in ``group``, ``T_local = T_global / N``):
@@ -109,6 +115,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             ``lightseq`` then send their two traffic directions on separate communicators).
         method: one of ``seqpar.METHODS``.
         causal: causal mask in *global* token order (query i sees keys j <= i).
+        window: sliding window of ``W`` tokens in global order (within each document when packed):
+            causal, query i sees keys ``i - W < j <= i`` (flash-attn's ``window_size=(W-1, 0)``,
+            transformers' ``sliding_window=W``); non-causal, ``|i - j| < W`` (``(W-1, W-1)``). Every
+            method serves it (``Method.window``); blocks, steps and transfers wholly outside the
+            window are skipped (docs/methods.md gives the bytes against W). ``W >= T`` (or every
+            document) is the same as None.
         softmax_scale: defaults to ``D ** -0.5``.
         cu_seqlens: packed variable-length input: global document offsets (int32, flash-attn
             convention, the same on every rank) of the packed stream, or a ``seqpar.packed_layout``
@@ -133,12 +145,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             (read at each call). With it on, the cu_seqlens comparison is part of that one gather.
 
     Raises ``ValueError`` naming the argument, on every rank and before any communication, for bad
-    shapes, dtypes, method, backend or lengths. Raises :class:`seqpar.PeerError` when a peer rank
+    shapes, dtypes, method, backend, window or lengths. Raises :class:`seqpar.PeerError` when a peer rank
     crashes or times out during the call.
     """
     opts = dict(group=group, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                 backend=backend, stats=stats, grad_comm_dtype=grad_comm_dtype, ulysses_degree=ulysses_degree,
-                ring_method=ring_method)
+                ring_method=ring_method, window=window)
     if not check_ranks_enabled(check_ranks):
         call = _prepare(q, k, v, same_offsets_check=True, **opts)
     else:
@@ -150,7 +162,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
 
 
 def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
-             ulysses_degree, ring_method, same_offsets_check: bool) -> "CallSpec":
+             ulysses_degree, ring_method, window, same_offsets_check: bool) -> "CallSpec":
     """Every local check of a call, and its CallSpec. Communicates only for ``same_offsets_check``
     (packed input: the cu_seqlens fingerprint all-gather of :func:`_check_same`)."""
     check_usp_options(method, ulysses_degree, ring_method)
@@ -163,7 +175,7 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
     if cu_seqlens is not None:
         # offsets checked locally, then (unless prebuilt) the same on every rank, then the local
         # tensors against them: every rank that reaches a ValueError reaches the same one
-        declared(method, kind="softmax")
+        check_window(declared(method, kind="softmax"), window, ring_method)
         check_qkv(q, k, v)
         if not isinstance(cu_seqlens, PackedLayout):
             host = check_cu_seqlens(cu_seqlens, None)
@@ -172,18 +184,19 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
             cu_seqlens = host
         packed = _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method)
     spec = _validate(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                     backend=backend, grad_comm_dtype=grad_comm_dtype, info=info)
+                     backend=backend, grad_comm_dtype=grad_comm_dtype, info=info, window=window,
+                     ring_method=ring_method)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     wire = _GRAD_COMM[grad_comm_dtype]
     if wire == "input":
         wire = k.dtype
     return CallSpec(info=info, spec=spec, causal=causal, scale=scale, backend=backend, grad_comm_dtype=wire,
                     stats=stats, group=group, ulysses_degree=ulysses_degree, ring_method=ring_method,
-                    channels=channels, packed=packed)
+                    channels=channels, packed=packed, window=window)
 
 
 def _fingerprint(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
-                 ulysses_degree, ring_method) -> dict[str, object]:
+                 ulysses_degree, ring_method, window) -> dict[str, object]:
     """What every rank of the group must pass identically (shapes are per rank: T_local agrees too)."""
     tensors = (q, k, v)
     grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
@@ -193,7 +206,8 @@ def _fingerprint(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, b
         "tensors on device type": getattr(getattr(q, "device", None), "type", None),
         "causal": repr(causal), "softmax_scale": repr(softmax_scale), "cu_seqlens": offsets_fingerprint(cu_seqlens),
         "backend": repr(backend), "grad_comm_dtype": repr(grad_comm_dtype), "ulysses_degree": repr(ulysses_degree),
-        "ring_method": repr(ring_method), "inputs that need gradients (backward will run)": repr(grad),
+        "ring_method": repr(ring_method), "window": repr(window),
+        "inputs that need gradients (backward will run)": repr(grad),
     }
 
 
@@ -213,13 +227,15 @@ class CallSpec:
     ring_method: str | None = None
     channels: tuple | None = None  # extra communicators of a TokenRingGroups (one per traffic direction)
     packed: PackedLayout | None = None  # packed input: geometry built once (schedules cached on it)
+    window: int | None = None  # sliding window as given (runners drop one that covers everything)
 
 
 def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
+    window = effective_window(call.window, call.packed, call.info.size * q.shape[1])
     if call.packed is not None:
-        plan = packed_schedule(call.spec, call.packed, call.info.rank, call.causal)
+        plan = packed_schedule(call.spec, call.packed, call.info.rank, call.causal, window)
     else:
-        plan = dense_plan(call.spec, call.info.rank, call.info.size, q.shape[1], call.causal)
+        plan = dense_plan(call.spec, call.info.rank, call.info.size, q.shape[1], call.causal, window)
     cfg = RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels)
     return RingAttention.apply(q, k, v, cfg)
@@ -239,20 +255,20 @@ class SequenceParallelAttention(torch.nn.Module):
     def __init__(self, *, group=None, method: str = "zigzag_ring", causal: bool = False,
                  softmax_scale: float | None = None, backend: str | None = None,
                  ulysses_degree: int | None = None, ring_method: str | None = None,
-                 check_ranks: bool | None = None):
+                 check_ranks: bool | None = None, window: int | None = None):
         super().__init__()
-        declared(method, kind="softmax")
+        check_window(declared(method, kind="softmax"), window, ring_method)
         check_usp_options(method, ulysses_degree, ring_method)
         self.group, self.method, self.causal = group, method, causal
         self.softmax_scale, self.backend = softmax_scale, backend
         self.ulysses_degree, self.ring_method = ulysses_degree, ring_method
-        self.check_ranks = check_ranks
+        self.check_ranks, self.window = check_ranks, window
 
     def forward(self, q, k, v, cu_seqlens=None, stats: CommStats | None = None):
         return attention(q, k, v, group=self.group, method=self.method, causal=self.causal,
                          softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens, backend=self.backend,
                          stats=stats, ulysses_degree=self.ulysses_degree, ring_method=self.ring_method,
-                         check_ranks=self.check_ranks)
+                         check_ranks=self.check_ranks, window=self.window)
 
     def extra_repr(self) -> str:
-        return f"method={self.method!r}, causal={self.causal}"
+        return f"method={self.method!r}, causal={self.causal}" + (f", window={self.window}" if self.window else "")

@@ -69,10 +69,12 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _tag(what: str, part: int) -> int:
+def _tag(what: str, part: int, index: int = 0) -> int:
     """Each payload (and each tensor of it) is its own message stream between two ranks, so two
-    payloads crossing the same link in one step can never be matched with each other."""
-    return 4 * PAYLOADS.index(what) + part
+    payloads crossing the same link in one step can never be matched with each other; ``index``
+    numbers the row ranges of one payload sent to one peer in one step (in order of their rows,
+    the same on both sides), so that they do not either."""
+    return 16 * index + 4 * PAYLOADS.index(what) + part
 
 
 def _narrow(x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -130,7 +132,9 @@ class _Run:
         parts = {"q": q}
         if self.bwd:
             parts.update(dout=dout, out=out, lse=lse)
-        self.held = {("q", 0): _Held(0, parts), ("kv", 0): _Held(0, {"k": k, "v": v})}
+        # (what, owner) -> the row ranges held of that operand (one, or several disjoint ones)
+        self.held = {("q", 0): [_Held(0, parts)], ("kv", 0): [_Held(0, {"k": k, "v": v})]}
+        self.incoming: dict = {}  # operands that arrived in the current step, held from the next
         self.partials: dict = {}  # (what, owner) -> [(rows, result tensors)] for other members' rows
         self.mine: dict = {"out": self._zeros("out")}
         if self.bwd:
@@ -188,7 +192,11 @@ class _Run:
             res = self._rows(self.mine[what], what, rows)
             self.mine[what] = self._zeros(what)
         else:
-            parts = self.partials.pop((what, owner), [])
+            kept = self.partials.pop((what, owner), [])
+            inside = [rows.start <= r.start and r.stop <= rows.stop for r, _ in kept]
+            parts = [p for p, keep in zip(kept, inside) if keep]
+            if len(parts) < len(kept):  # results of other row ranges leave in their own moves
+                self.partials[(what, owner)] = [p for p, keep in zip(kept, inside) if not keep]
             if len(parts) == 1 and parts[0][0] == rows:  # one block's result: send it as computed
                 res = parts[0][1]
             else:
@@ -207,9 +215,16 @@ class _Run:
         return tuple(out)
 
     # ---------------------------------------------------------------- operands
+    def piece(self, what: str, owner: int, rows: slice) -> _Held:
+        """The held range of ``owner``'s operand that contains ``rows``."""
+        for h in self.held.get((what, owner), ()):
+            if h.row0 <= rows.start and rows.stop <= h.row0 + h.n:
+                return h
+        raise RuntimeError(f"schedule error: {what} rows {rows} of member +{owner} used, but not held")
+
     def wire(self, what: str, owner: int, rows: slice) -> tuple:
         """The tensors that carry ``owner``'s operand rows ``rows`` (views when nothing is cut)."""
-        h = self.held[(what, owner)]
+        h = self.piece(what, owner, rows)
         if h.wire is None:  # own data, packed once
             if "delta" in (name for name, _ in self._parts(what)):
                 self._delta(h)
@@ -233,7 +248,7 @@ class _Run:
         for w, buf in zip(self._wires(m.what), bufs):
             parts.update(zip(w.parts, buf) if len(w.parts) > 1 else ((w.parts[0], buf),))
         if m.what in OPERANDS:
-            self.held[(m.what, m.owner)] = _Held(m.rows.start, parts, bufs)
+            self.incoming.setdefault((m.what, m.owner), []).append(_Held(m.rows.start, parts, bufs))
         else:
             self.add(m.what, m.owner, m.rows, tuple(parts[name] for name, _ in self._parts(m.what)))
 
@@ -242,18 +257,18 @@ class _Run:
         """Post a step's moves, one batch per (channel, payload); returns what to wait for."""
         batches: dict = {}
         per_peer: dict = {}
-        for m in moves:
+        for m, index in _indexed(moves):
             if (m.what, self.bwd) not in WIRES:  # dK,dV moves are for the backward pass only
                 continue
             sends, recvs, arrivals = batches.setdefault((m.channel, m.what), ([], [], []))
             if m.send:
                 tensors = self.wire(m.what, m.owner, m.rows) if m.what in OPERANDS else \
                     self.take(m.what, m.owner, m.rows)
-                sends += [(t, m.peer, _tag(m.what, i)) for i, t in enumerate(tensors)]
+                sends += [(t, m.peer, _tag(m.what, i, index)) for i, t in enumerate(tensors)]
                 per_peer[m.peer] = per_peer.get(m.peer, 0) + nbytes(*tensors)
             else:
                 bufs = self.buffers(m)
-                recvs += [(t, m.peer, _tag(m.what, i)) for i, t in enumerate(bufs)]
+                recvs += [(t, m.peer, _tag(m.what, i, index)) for i, t in enumerate(bufs)]
                 arrivals.append((m, bufs))
         stats = self.cfg.stats
         if stats is not None and per_peer:
@@ -264,11 +279,16 @@ class _Run:
             posted.append((pending, arrivals))
         return posted
 
+    def settle(self) -> None:
+        """Operands that arrived in this step replace what was held of the same owner's payload."""
+        self.held.update(self.incoming)
+        self.incoming = {}
+
     def compute(self, task: Task) -> None:
-        qh, kvh = self.held[("q", task.q)], self.held[("kv", task.kv)]
-        k, v = kvh.parts["k"], kvh.parts["v"]
-        qp, cfg = qh.parts, self.cfg
+        cfg = self.cfg
         for b in task.blocks:
+            qh, kvh = self.piece("q", task.q, b.q), self.piece("kv", task.kv, b.kv)
+            k, v, qp = kvh.parts["k"], kvh.parts["v"], qh.parts
             qr, kr = qh.local(b.q), kvh.local(b.kv)
             if b.segments is not None:
                 self._compute_packed(task, b, qp, qr, k[:, kr], v[:, kr])
@@ -312,6 +332,17 @@ class _Run:
             self.add("dkv", task.kv, b.kv, (gk, gv))
 
 
+def _indexed(moves) -> list:
+    """Each move with its index among the step's moves of the same payload, peer, direction and
+    channel, in order of their rows (both ends of a message count the same way)."""
+    seen: dict = {}
+    index = [0] * len(moves)
+    for i in sorted(range(len(moves)), key=lambda i: moves[i].rows.start):
+        key = (moves[i].what, moves[i].peer, moves[i].send, moves[i].channel)
+        index[i] = seen[key] = seen.get(key, -1) + 1
+    return list(zip(moves, index))
+
+
 def _last_use(sched: Schedule) -> dict:
     last = {}
     for i, step in enumerate(sched.steps):
@@ -337,7 +368,7 @@ def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
             cfg.stats.note_step({info.peer(1): nbytes(kv)})
         for j in range(info.size):
             if j != info.rank:
-                run.held[("kv", (j - info.rank) % info.size)] = _Held(0, {"k": kv_all[j][0], "v": kv_all[j][1]})
+                run.held[("kv", (j - info.rank) % info.size)] = [_Held(0, {"k": kv_all[j][0], "v": kv_all[j][1]})]
     last = _last_use(sched)
     for i, step in enumerate(sched.steps):
         posted = run.post(step.moves)
@@ -347,6 +378,7 @@ def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
             pending.wait()
             for m, bufs in arrivals:
                 run.arrived(m, bufs)
+        run.settle()
         for key in [key for key in run.held if key[1] != 0 and last.get(key, -1) <= i]:
             del run.held[key]
     if not run.bwd:

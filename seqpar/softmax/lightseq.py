@@ -24,6 +24,7 @@ Non-causal attention has no imbalance to fix: it runs the plain ring plan.
 from __future__ import annotations
 
 from .plans import Block, Move, RingPlan, Schedule, Step, Task, ring_plan, row_range
+from .window import DirectPlan, kv_pairing, window_plan
 
 FETCH_CHANNEL, RESULT_CHANNEL = 0, 1
 
@@ -73,3 +74,25 @@ def lightseq_plan(rank: int, n: int, t_local: int, causal: bool, transport: str 
                 moves.append(Move("out", 0, p % n, False, full, RESULT_CHANNEL))
         steps.append(Step(tasks, tuple(moves)))
     return Schedule(tuple(steps), "p2p", "lightseq")
+
+
+def lightseq_pairing(a: int, b: int, n: int) -> tuple[int, int]:
+    """LightSeq's rule as a pairing (:mod:`.window`): pair ``(a, b)``, ``a > b`` at distance
+    ``d = a - b``, is computed by the query owner at step ``d`` when ``d <= N/2``, else by the K,V
+    owner as a helper at step ``N - d``."""
+    d = a - b
+    if d <= 0:  # not a causal pair of the contiguous layout (non-causal calls use the K,V pairing)
+        return kv_pairing(a, b, n)
+    return (d, a) if d <= n // 2 else (n - d, b)
+
+
+def lightseq_window_plan(rank: int, n: int, t_local: int, causal: bool, transport: str = "p2p",
+                         window: int | None = None) -> DirectPlan:
+    """LightSeq under a sliding window: its steps and helpers, restricted to the pairs of shards
+    that meet in the window (the K,V or queries of those rows only). A window of ``W`` tokens over
+    shards of ``c`` needs pairs up to distance ``ceil((W - 1) / c)``: helpers only when that exceeds
+    ``N / 2``. Non-causal: the K,V pairing of the plain ring."""
+    if transport != "p2p":
+        raise ValueError(f"transport={transport!r}: lightseq fetches its blocks point to point")
+    pairing = lightseq_pairing if causal else kv_pairing
+    return window_plan("contiguous", pairing, rank, n, t_local, causal, transport, window, name="lightseq")

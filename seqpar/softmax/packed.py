@@ -13,15 +13,23 @@ depend on the local length (checked); the packed schedule keeps them, turns ever
 into one :class:`~seqpar.kernels.varlen.VarlenSegments` over the whole local streams (run by the
 varlen kernels) and lets every move carry whole local streams (a document's rows are not one
 slice of the stream, so token_ring's causal half-query moves carry whole queries here).
+
+Under a sliding window the method's windowed plan (:mod:`.window`) is built per piece length the
+same way; its pairs (which member computes which member pair, at which step) do not depend on the
+length, so every document's clipped blocks of a pair join one varlen block, and the pair's moves
+carry the span of local rows those blocks use: pairs and steps that no document needs cost nothing.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from ..kernels.varlen import Segment, VarlenSegments
 from ..layouts.packed import PackedLayout
 from ..methods import Method
 from .plans import Block, Move, Schedule, Step, Task, row_range
 from .registry import dense_plan
+from .window import DirectPlan, Pair
 
 
 def _structure(sched: Schedule) -> tuple:
@@ -72,10 +80,43 @@ def _packed_schedule(decl: Method, layout: PackedLayout, rank: int, causal: bool
     return Schedule(tuple(steps), whole.transport, whole.name)
 
 
-def packed_schedule(decl: Method, layout: PackedLayout, rank: int, causal: bool) -> Schedule:
-    """This rank's schedule of a ring-family method for ``layout`` (cached on the layout)."""
-    return layout.cache.get(("schedule", decl.name, decl.plan, decl.transport, rank, bool(causal)),
-                            lambda: _packed_schedule(decl, layout, rank, causal))
+def _span_block(segs: list) -> Block:
+    """One varlen block over the spans of local rows and keys that ``segs`` use."""
+    q0, q1 = min(s.q_start for s in segs), max(s.q_start + s.q_len for s in segs)
+    k0, k1 = min(s.k_start for s in segs), max(s.k_start + s.k_len for s in segs)
+    shifted = tuple(dataclasses.replace(s, q_start=s.q_start - q0, k_start=s.k_start - k0) for s in segs)
+    return Block(row_range(q0, q1), row_range(k0, k1), "none", VarlenSegments(q1 - q0, k1 - k0, shifted))
+
+
+def _window_schedule(decl: Method, layout: PackedLayout, rank: int, causal: bool, window: int) -> Schedule:
+    plans = {L: dense_plan(decl, rank, layout.n, L, causal, window) for L in set(layout.piece_lens)}
+    found: dict = {}  # (a, b) -> ((step, computer), [segments of every document])
+    for d, L in enumerate(layout.piece_lens):
+        offset = layout.local_cu_seqlens[d]
+        for p in plans[L].pairs:
+            where, segs = found.setdefault((p.a, p.b), ((p.step, p.computer), []))
+            if where != (p.step, p.computer):
+                raise RuntimeError(f"method={decl.name!r}: its windowed plan places pair {(p.a, p.b)} by the local "
+                                   "length, so it cannot run packed input (internal error of the plan)")
+            for b in p.blocks:
+                (q0, q_len), (k0, k_len) = _clip(b.q, layout.real_lens[p.a][d]), _clip(b.kv, layout.real_lens[p.b][d])
+                seg = Segment(offset + q0, q_len, offset + k0, k_len, b.mask)
+                if seg.pairs:
+                    segs.append(seg)
+    pairs = tuple(Pair(step, c, a, b, (_span_block(segs),)) for (a, b), ((step, c), segs) in sorted(found.items())
+                  if segs)
+    some = next(iter(plans.values()))
+    return DirectPlan(rank, layout.n, pairs, some.transport, some.name).schedule()
+
+
+def packed_schedule(decl: Method, layout: PackedLayout, rank: int, causal: bool, window: int | None = None) -> Schedule:
+    """This rank's schedule of a ring-family method for ``layout`` (cached on the layout); with a
+    ``window``, the method's windowed plan per document."""
+    key = ("schedule", decl.name, decl.plan, decl.transport, rank, bool(causal))
+    if window is None:
+        return layout.cache.get(key, lambda: _packed_schedule(decl, layout, rank, causal))
+    return layout.cache.get(key + (decl.window_plan, int(window)),
+                            lambda: _window_schedule(decl, layout, rank, causal, int(window)))
 
 
 __all__ = ["packed_schedule"]

@@ -19,6 +19,9 @@ rank and needs no global rank):
 - a :class:`Move` is one message: rows ``rows`` (in the owner's local order) of payload ``what``
   of member ``owner``, sent to or received from member ``peer``, on communication ``channel``
   (channel 1 carries results against the direction of the operands: its own process group).
+  Several moves of one payload and owner in one step carry disjoint row ranges (a sliding window
+  needs the tail of one zigzag chunk and the head of another); what arrives in a step replaces
+  what was held of that owner's payload.
 
 The moves of step ``s`` are posted together before the tasks of step ``s`` and waited on after
 them: received operands serve the following steps (prefetch), received results are folded into
@@ -27,13 +30,15 @@ behind"); a schedule ends with a step without tasks that sends the last results 
 
 This module holds the vocabulary and the ring family (``ring``, ``zigzag_ring``,
 ``striped_ring``, ``allgather_kv``), which differ only in the blocks of each step
-(:class:`RingPlan`); ``token_ring`` and ``lightseq`` live in their own modules.
+(:class:`RingPlan`); ``token_ring`` and ``lightseq`` live in their own modules, and sliding-window
+schedules (any of them restricted to the pairs in a window) in :mod:`.window`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..kernels.masks import as_band, visible_pairs
 from ..layouts.base import layout_named
 
 OPERANDS = ("q", "kv")
@@ -79,7 +84,7 @@ FOLD = {("out", False): "merge", ("out", True): "sum", ("dkv", True): "sum"}
 class Block:
     """One block computation: query rows ``q`` against K,V rows ``kv`` (each in its owner's local
     order). ``mask`` is a block mask of :mod:`seqpar.kernels` (``none``, ``causal``,
-    ``causal_strict``), aligned top-left on the two slices.
+    ``causal_strict``, or a window :class:`~seqpar.kernels.Band`), aligned top-left on the two slices.
 
     ``segments``: packed variable-length input (:mod:`seqpar.softmax.packed`): the block is a
     :class:`~seqpar.kernels.varlen.VarlenSegments` over the two slices (document by document,
@@ -87,7 +92,7 @@ class Block:
 
     q: slice
     kv: slice
-    mask: str
+    mask: object  # str | Band
     segments: object = None  # VarlenSegments | None (typed loosely: plans import no kernels)
 
 
@@ -152,6 +157,8 @@ def _block_work(b: Block, t_local: int) -> float:
         return float(b.segments.pairs)
     rows = len(range(t_local)[b.q])
     cols = len(range(t_local)[b.kv])
+    if not isinstance(b.mask, str):  # a window band: its exact pair count
+        return float(visible_pairs(rows, cols, b.mask))
     return rows * cols * (0.5 if b.mask != "none" else 1.0)
 
 
@@ -259,59 +266,66 @@ def striped_plan(rank: int, n: int, t_local: int, causal: bool, transport: str =
     return RingPlan(tuple(steps), transport)
 
 
-def verify(build, n: int, t_local: int, causal: bool, layout) -> None:
+def verify(build, n: int, t_local: int, causal: bool, layout, window: int | None = None) -> None:
     """Check the schedules of all ``n`` ranks of a builder ``(rank, n, t_local, causal) -> plan``
-    against each other, on the host (for tests and for anyone writing a schedule):
+    (with ``window``: called with ``window=window``) against each other, on the host (for tests
+    and for anyone writing a schedule):
 
     - every send has a matching receive (same step, channel, payload, owner and rows) and back;
     - every operand a task or a send uses is held at that step (own, or received earlier);
-    - every (query, key) pair the mask allows is computed exactly once, none it forbids.
+    - every (query, key) pair the mask (and window) allows is computed exactly once, none other.
 
     ``layout``: a :class:`~seqpar.layouts.base.Layout` or its name. Raises ``AssertionError``
     describing the first problem.
     """
     layout = layout_named(layout)
     T = t_local * n
-    scheds = [build(r, n, t_local, causal).schedule(t_local) for r in range(n)]
-    steps = max(s.n for s in scheds)
+    extra = {} if window is None else {"window": window}
+    scheds = [build(r, n, t_local, causal, **extra).schedule(t_local) for r in range(n)]
     cover = [[0] * T for _ in range(T)]
-    held = [{("q", r): (0, t_local), ("kv", r): (0, t_local)} for r in range(n)]
+    held = [{("q", r): [(0, t_local)], ("kv", r): [(0, t_local)]} for r in range(n)]
     if scheds[0].transport == "allgather":
         for r in range(n):
-            held[r].update({("kv", j): (0, t_local) for j in range(n)})
-
-    def has(r, what, owner, rows, where):
-        lo, hi = held[r].get((what, owner), (0, 0))
-        assert lo <= rows.start and rows.stop <= hi, f"rank {r} {where}: {what} rows {rows} of {owner} not held"
-
-    for i in range(steps):
-        arrivals = []
+            held[r].update({("kv", j): [(0, t_local)] for j in range(n)})
+    for i in range(max(s.n for s in scheds)):
+        arrivals: dict = {}
         for r, sched in enumerate(scheds):
             step = sched.steps[i] if i < sched.n else Step()
             for m in step.moves:
-                dst, owner = (r + m.peer) % n, (r + m.owner) % n
-                assert dst != r, f"rank {r} step {i}: a move to itself"
-                other = [(o.what, o.owner % n, o.peer % n, o.send, o.rows, o.channel)
-                         for o in (scheds[dst].steps[i].moves if i < scheds[dst].n else ())]
-                twin = (m.what, (owner - dst) % n, -m.peer % n, not m.send, m.rows, m.channel)
-                assert twin in other, f"rank {r} step {i}: {m} has no matching move on rank {dst}"
-                if m.send and m.what in OPERANDS:
-                    has(r, m.what, owner, m.rows, f"step {i} send")
-                elif not m.send and m.what in OPERANDS:
-                    arrivals.append((r, (m.what, owner), (m.rows.start, m.rows.stop)))
+                _check_move(scheds, held, arrivals, n, r, i, m)
             for t in step.tasks:
                 a, b = (r + t.q) % n, (r + t.kv) % n
                 qi, ki = layout.positions(T, n, a), layout.positions(T, n, b)
                 for blk in t.blocks:
-                    has(r, "q", a, blk.q, f"step {i} task")
-                    has(r, "kv", b, blk.kv, f"step {i} task")
+                    _has(held, r, "q", a, blk.q, f"step {i} task")
+                    _has(held, r, "kv", b, blk.kv, f"step {i} task")
+                    band = as_band(blk.mask)
                     for x, gq in enumerate(qi[blk.q]):
                         for y, gk in enumerate(ki[blk.kv]):
-                            if blk.mask == "none" or (y <= x if blk.mask == "causal" else y < x):
-                                cover[gq][gk] += 1
-        for r, key, span in arrivals:
-            held[r][key] = span
+                            cover[gq][gk] += band.sees(x, y)
+        for (r, key), spans in arrivals.items():
+            held[r][key] = spans
     for gq in range(T):
         for gk in range(T):
-            want = 1 if (not causal or gk <= gq) else 0
+            d = gq - gk
+            want = int((d >= 0 or not causal) and (window is None or (0 <= d < window if causal else abs(d) < window)))
             assert cover[gq][gk] == want, f"query {gq}, key {gk}: computed {cover[gq][gk]} times, expected {want}"
+
+
+def _has(held, r, what, owner, rows, where):
+    spans = held[r].get((what, owner), [])
+    assert any(lo <= rows.start and rows.stop <= hi for lo, hi in spans), \
+        f"rank {r} {where}: {what} rows {rows} of {owner} not held (held: {spans})"
+
+
+def _check_move(scheds, held, arrivals, n, r, i, m):
+    dst, owner = (r + m.peer) % n, (r + m.owner) % n
+    assert dst != r, f"rank {r} step {i}: a move to itself"
+    other = [(o.what, o.owner % n, o.peer % n, o.send, o.rows, o.channel)
+             for o in (scheds[dst].steps[i].moves if i < scheds[dst].n else ())]
+    twin = (m.what, (owner - dst) % n, -m.peer % n, not m.send, m.rows, m.channel)
+    assert twin in other, f"rank {r} step {i}: {m} has no matching move on rank {dst}"
+    if m.send and m.what in OPERANDS:
+        _has(held, r, m.what, owner, m.rows, f"step {i} send")
+    elif not m.send and m.what in OPERANDS:
+        arrivals.setdefault((r, (m.what, owner)), []).append((m.rows.start, m.rows.stop))

@@ -10,10 +10,11 @@ import torch
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                        softmax_scale: float | None = None, cu_seqlens=None) -> torch.Tensor:
+                        softmax_scale: float | None = None, cu_seqlens=None, window: int | None = None) -> torch.Tensor:
     """Global attention. q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` -> ``[B, T, Hq, D]``.
 
     ``cu_seqlens`` (int, ``[n_docs + 1]``) restricts attention to within each packed document.
+    ``window``: query i sees keys j with ``i - window < j <= i`` (causal) or ``|i - j| < window``.
     Computes in the input dtype; pass float64 tensors for a ground truth.
     """
     B, T, Hq, D = q.shape
@@ -27,6 +28,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     allowed = torch.ones(T, T, dtype=torch.bool, device=q.device)
     if causal:
         allowed = torch.tril(allowed)
+    if window is not None:
+        pos = torch.arange(T, device=q.device)
+        allowed = allowed & ((pos[:, None] - pos[None, :]).abs() < window)
     if cu_seqlens is not None:
         bounds = torch.as_tensor(cu_seqlens, device=q.device).long()
         doc = torch.bucketize(torch.arange(T, device=q.device), bounds[1:], right=True)

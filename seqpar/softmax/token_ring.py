@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from ..comm.channels import OUT_CHANNEL, Q_CHANNEL
 from .plans import Block, Move, Schedule, Step, Task, row_range
+from .window import DirectPlan, q_pairing, window_plan
 
 
 def token_ring_plan(rank: int, n: int, t_local: int, causal: bool, transport: str = "p2p") -> Schedule:
@@ -68,3 +69,15 @@ def token_ring_plan(rank: int, n: int, t_local: int, causal: bool, transport: st
                       Move("out", 0, -back % n, False, need((rank - back) % n, rank), OUT_CHANNEL)]
         steps.append(Step(tasks, tuple(moves)))
     return Schedule(tuple(steps), "p2p", "token_ring")
+
+
+def token_ring_window_plan(rank: int, n: int, t_local: int, causal: bool, transport: str = "p2p",
+                           window: int | None = None) -> DirectPlan:
+    """TokenRing under a sliding window (:mod:`.window`): the queries (and backward bundles) of a
+    rank go straight to the members whose K,V they meet in the window, only the rows that meet
+    them, and the partial results come straight back; members beyond the window are never visited.
+    In the zigzag layout the first chunk meets members before it and the second chunk members
+    after it, so step ``s`` serves the members ``s`` away in both directions."""
+    if transport != "p2p":
+        raise ValueError(f"transport={transport!r}: token_ring only moves queries point to point")
+    return window_plan("zigzag", q_pairing, rank, n, t_local, causal, transport, window, name="token_ring")

@@ -6,8 +6,9 @@ holds global tokens ``[m·c, (m+1)·c)``):
 - in:  q ``[B, c, Hq, D]``, k, v ``[B, c, Hkv, D]`` (sequence shards);
 - after the all-to-all: q ``[B, L, Hq/U, D]`` (member m owns query heads ``[m·Hq/U, (m+1)·Hq/U)``)
   and k, v ``[B, L, n_m, D]`` with the ``n_m`` KV heads those query heads use (see below);
-- full attention of the whole sequence for the local heads (``block_forward``; GQA native), or, in
-  USP (:mod:`seqpar.softmax.usp`), the shared ring loop over the ring axis on these head shards;
+- full attention of the whole sequence for the local heads (``block_forward``; GQA native; a
+  sliding window is the band of that one block: the communication does not change with it), or,
+  in USP (:mod:`seqpar.softmax.usp`), the shared ring loop over the ring axis on these head shards;
 - out ``[B, L, Hq/U, D]`` goes back through the inverse all-to-all to ``[B, c, Hq, D]``.
 
 **GQA head routing.** With ``g = Hq/Hkv`` and ``h = Hq/U``, member m needs the KV heads
@@ -36,10 +37,11 @@ import torch
 from einops import rearrange
 
 from ..comm import CommStats, GroupInfo, all_to_all
-from ..kernels import block_backward, block_forward
+from ..kernels import block_backward, block_forward, window_band
 from ..kernels.varlen import varlen_backward, varlen_forward
 from ..layouts.ulysses import packed_heads
 from .executor import RingConfig, ring_backward, ring_forward
+from .window import effective_window
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,14 @@ class UlyssesConfig:
     stats: CommStats | None = None
     ring: RingConfig | None = None
     packed: object = None  # PackedHeads (seqpar.layouts.ulysses) of packed plain-Ulysses input
+    window: int | None = None  # sliding window of the local attention (plain Ulysses, dense input)
+
+    @property
+    def mask(self):
+        """The mask of the local attention over the whole sequence (query and key rows aligned)."""
+        if self.window is not None:
+            return window_band(0, self.window, self.causal)
+        return "causal" if self.causal else "none"
 
 
 def _segment_forward(q, k, v, cfg: UlyssesConfig):
@@ -186,7 +196,7 @@ def _segment_forward(q, k, v, cfg: UlyssesConfig):
         out, lse = varlen_forward(*(x.index_select(1, order) for x in (q, k, v)), cfg.packed.segments,
                                   scale=cfg.scale, backend=cfg.backend)
         return out.index_select(1, inv), lse.index_select(2, inv)
-    return block_forward(q, k, v, scale=cfg.scale, mask="causal" if cfg.causal else "none", backend=cfg.backend)
+    return block_forward(q, k, v, scale=cfg.scale, mask=cfg.mask, backend=cfg.backend)
 
 
 def _segment_backward(dout, q, k, v, out, lse, cfg: UlyssesConfig):
@@ -198,8 +208,7 @@ def _segment_backward(dout, q, k, v, out, lse, cfg: UlyssesConfig):
                                 lse.index_select(2, order), cfg.packed.segments, scale=cfg.scale,
                                 backend=cfg.backend)
         return tuple(g.index_select(1, inv) for g in grads)
-    return block_backward(dout, q, k, v, out, lse, scale=cfg.scale, mask="causal" if cfg.causal else "none",
-                          backend=cfg.backend)
+    return block_backward(dout, q, k, v, out, lse, scale=cfg.scale, mask=cfg.mask, backend=cfg.backend)
 
 
 def _local_forward(qh, kh, vh, cfg: UlyssesConfig):
@@ -281,20 +290,23 @@ def check_heads(q: torch.Tensor, degree: int, *, what: str) -> None:
         )
 
 
-def ulysses_config(axis: GroupInfo, q, k, call, ring: RingConfig | None = None, packed=None) -> UlyssesConfig:
+def ulysses_config(axis: GroupInfo, q, k, call, ring: RingConfig | None = None, packed=None,
+                   window: int | None = None) -> UlyssesConfig:
     """The frozen config of one call (``call`` is the API's validated ``CallSpec``)."""
     hq, hkv = q.shape[2], k.shape[2]
     q_split, kv_split = split_heads(hq, hkv, axis.size)
     return UlyssesConfig(axis=axis, q_split=q_split, kv_split=kv_split,
                          segments=gqa_segments(q_split, kv_split, hq // hkv, axis.rank), heads=(hq, hkv),
                          causal=call.causal, scale=call.scale, backend=call.backend, stats=call.stats, ring=ring,
-                         packed=packed)
+                         packed=packed, window=window)
 
 
 def run_ulysses(q, k, v, call) -> torch.Tensor:
     """Runner of the ``ulysses`` method: the whole group is the Ulysses axis."""
     check_heads(q, call.info.size, what="the Ulysses degree (ranks in group)")
     packed = None
+    window = effective_window(call.window, call.packed, call.info.size * q.shape[1])
     if call.packed is not None:
-        packed = packed_heads(call.packed, call.causal)
-    return UlyssesAttention.apply(q, k, v, ulysses_config(call.info, q, k, call, packed=packed))
+        packed = packed_heads(call.packed, call.causal, window)
+    return UlyssesAttention.apply(q, k, v, ulysses_config(call.info, q, k, call, packed=packed, window=window))
+

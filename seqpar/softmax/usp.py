@@ -44,6 +44,7 @@ from .executor import RingConfig
 from .packed import packed_schedule
 from .registry import dense_plan
 from .ulysses import UlyssesAttention, check_heads, ulysses_config
+from .window import effective_window
 
 
 def run_usp(q, k, v, call) -> torch.Tensor:
@@ -56,13 +57,15 @@ def run_usp(q, k, v, call) -> torch.Tensor:
     check_heads(q, axes.ulysses_degree, what="ulysses_degree" if call.ulysses_degree else
                 "the default ulysses_degree (gcd(N, ranks per node))")
     t_super = axes.ulysses_degree * q.shape[1]
+    # a window acts on the ring axis: the super-shards are the ring layout of the global sequence
+    window = effective_window(call.window, call.packed, t_super * axes.ring_degree)
     if call.packed is not None:  # the ring member's packed stream, rebuilt by the all-to-all
-        plan = packed_schedule(spec, call.packed, axes.j, call.causal)
+        plan = packed_schedule(spec, call.packed, axes.j, call.causal, window)
     elif t_super % spec.layout_multiple:
         raise ValueError(f"q: ring_method={spec.name!r} needs an even super-shard (U*T_local = {t_super}); "
                          f"shard the sequence with seqpar.shard(x, method='usp', ...)")
     else:
-        plan = dense_plan(spec, axes.j, axes.ring_degree, t_super, call.causal)
+        plan = dense_plan(spec, axes.j, axes.ring_degree, t_super, call.causal, window)
     if not axes.complete:
         warnings.warn("method='usp' builds its Ulysses and ring subgroups on this call (collective, and they "
                       "are not cached); build them once with make_usp_groups(group, ulysses_degree) and pass "
