@@ -39,6 +39,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_static_full)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors: intra-op threads only slow these checks down on a busy 2-core box
+    (``pytestmark = pytest.mark.usefixtures("one_thread")`` in a module)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shutdown_worker_pools():
     """Stop the persistent multi-process worker pools when the session ends."""

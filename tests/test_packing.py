@@ -40,13 +40,7 @@ FAST = settings(max_examples=int(os.environ.get("SEQPAR_HYPOTHESIS_EXAMPLES", "2
                 suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small tensors: intra-op threads only slow these checks down on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def expected_index(kind: str, n: int, lens, rank: int) -> list[int]:

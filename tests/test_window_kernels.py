@@ -23,13 +23,7 @@ from seqpar.kernels.varlen import Segment, VarlenSegments, varlen_backward, varl
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small tensors: intra-op threads only slow these checks down on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _visible(tq, tk, band):
