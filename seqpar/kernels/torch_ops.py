@@ -12,6 +12,11 @@ They run on the reduced block of :func:`seqpar.kernels.base.plan_block`
   Half-precision backward (and fp16 forward) run in fp32, see below.
   It returns lse 0 for a fully masked row and dies with SIGFPE on Tq == 0 or
   Tk == 0, which is why the dispatch layer never hands it such blocks.
+  No ``window`` capability: a sliding-window band runs as plain causal pieces
+  (:func:`seqpar.kernels.masks.band_pieces`). Measured on the 2-core CI
+  machine (1 thread, fp32, T = 2048, W = 1024, H = 8, D = 64, forward +
+  backward): pieces 641 ms, the op with one additive float mask 1101 ms (it
+  computes every masked score), plain causal 659 ms.
 - ``torch_cuda``: ``aten._scaled_dot_product_flash_attention`` (fp16/bf16,
   sm_80..sm_121, D % 8 == 0, D <= 256; causal is bottom-right in the vendored
   flash-attn kernel, so causal only on a square reduced block) else
@@ -32,6 +37,8 @@ They run on the reduced block of :func:`seqpar.kernels.base.plan_block`
   with exactly that row stride; its lse is padded to a multiple of 32 rows
   (read in blocks of 32). The flash backward reads lse as contiguous
   ``[B, H, M]`` and raises for 192 < D <= 224 on sm_86/89/120/121.
+  No ``window`` capability either: windows run as plain pieces through the
+  same two ops, under the same contracts (no additive mask to align).
 """
 
 from __future__ import annotations

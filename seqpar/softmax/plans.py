@@ -291,8 +291,14 @@ def verify(build, n: int, t_local: int, causal: bool, layout, window: int | None
         arrivals: dict = {}
         for r, sched in enumerate(scheds):
             step = sched.steps[i] if i < sched.n else Step()
+            streams: dict = {}
             for m in step.moves:
                 _check_move(scheds, held, arrivals, n, r, i, m)
+                streams.setdefault((m.what, m.peer % n, m.send, m.channel), []).append(m)
+            for same in streams.values():  # the executor numbers these messages by their rows
+                spans = sorted((m.rows.start, m.rows.stop) for m in same)
+                assert len({m.owner % n for m in same}) == 1 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), \
+                    f"rank {r} step {i}: messages {same} of one stream overlap or mix owners"
             for t in step.tasks:
                 a, b = (r + t.q) % n, (r + t.kv) % n
                 qi, ki = layout.positions(T, n, a), layout.positions(T, n, b)

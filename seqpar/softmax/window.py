@@ -141,10 +141,6 @@ class DirectPlan:
         return Schedule(tuple(Step(tuple(steps.get(i, ([], []))[0]), tuple(steps.get(i, ([], []))[1]))
                               for i in range(last + 1)), self.transport, self.name)
 
-    @property
-    def n_steps(self) -> int:
-        return self.schedule().n
-
     def work(self, t_local: int) -> float:
         return self.schedule().work(t_local)
 
