@@ -305,3 +305,19 @@ def test_bad_window_raises_on_every_rank(window):
     """A ValueError naming ``window`` on every rank, before any communication (nothing hangs)."""
     for message in run_distributed(_bad, 2, "zigzag_ring", window, True, timeout=60):
         assert message is not None and "window=" in message
+
+
+def _disagree():
+    rank, _ = world()
+    x = torch.zeros(1, 8, 4, 16)
+    try:
+        seqpar.attention(x, x, x, method="zigzag_ring", causal=True, window=4 + rank, check_ranks=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_disagree_on_the_window_raise():
+    """With check_ranks, a window that differs between ranks is named on every rank (no hang)."""
+    for message in run_distributed(_disagree, 2, timeout=60):
+        assert message is not None and "window" in message

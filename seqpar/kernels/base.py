@@ -196,8 +196,9 @@ class Backend:
         plan = plan_block(q.shape[1], k.shape[1], mask)
         if plan.window is not None and not c.window and not {"none", "causal", "causal_strict"} <= c.masks:
             return f"a window band needs the masks none, causal and causal_strict, not only {sorted(c.masks)}"
-        if plan.window is None and not isinstance(mask, Band) and mask not in c.masks:
-            return f"mask {mask!r} not in {sorted(c.masks)}"
+        named = mask if not isinstance(mask, Band) else "causal" if plan.causal else "none"
+        if plan.window is None and named not in c.masks:
+            return f"mask {named!r} not in {sorted(c.masks)}"
         d = q.shape[-1]
         if d % c.head_dim_multiple:
             return f"head dim {d} is not a multiple of {c.head_dim_multiple}"
