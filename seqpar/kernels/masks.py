@@ -207,8 +207,8 @@ def band_pieces(tq: int, tk: int, band: Band) -> tuple[Piece, ...]:
     """Cut the window ``band`` of a reduced ``[tq, tk]`` block (:attr:`BlockPlan.window`) into
     :class:`Piece` s whose visible pairs are exactly the band's, each once.
 
-    With both bounds, rows go in tiles of ``w = hi - lo + 1`` (the band's width): a tile meets a
-    lower triangle (``j >= i + lo``: ``causal`` on reversed rows and keys), possibly a full
+    With both bounds, the rows that see key 0 form one piece (an upper edge), and the others go in
+    tiles of ``w = hi - lo + 1`` (the band's width): a tile meets a lower triangle (``j >= i + lo``: ``causal`` on reversed rows and keys), possibly a full
     rectangle, and an upper triangle (``j <= i + hi``: ``causal_strict``). A single upper bound
     ``hi > 0`` is a full rectangle (keys ``:hi + 1``) and a ``causal_strict`` block; a single lower
     bound is the same on reversed orders.
@@ -219,7 +219,9 @@ def band_pieces(tq: int, tk: int, band: Band) -> tuple[Piece, ...]:
         return tuple(out)
     lo, hi = band.lo, band.hi
     w = hi - lo + 1
-    for a in range(0, tq, w):
+    first = min(tq, 1 - lo)  # rows i <= -lo see key 0: the lower edge does not cut them
+    _reduce(0, first, 0, tk, band, out)
+    for a in range(first, tq, w):
         m = min(w, tq - a)
         for k0, k1 in ((a + lo, a + m + lo), (a + m + lo, a + hi + 1), (a + hi + 1, a + m + hi)):
             k0, k1 = max(k0, 0), min(k1, tk)
@@ -248,6 +250,9 @@ def _one_edge(q0: int, q1: int, k0: int, k1: int, band: Band, out: list) -> None
     ``hi' = (k1 - k0) - (q1 - q0) - lo`` of the block with rows and keys reversed."""
     flip = band.hi is None
     hi = (k1 - k0) - (q1 - q0) - band.lo if flip else band.hi
+    if hi == 0:  # top-left causal in the reversed frame
+        out.append(Piece(q0, q1, k0, k1, "causal", flip))
+        return
     split = hi + 1  # keys [0, hi] in the (possibly reversed) frame are visible to every row
     if flip:
         full, rest = (k1 - split, k1), (k0, k1 - split)
