@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -73,6 +74,22 @@ def group_info(group=None, *, argument: str = "group") -> GroupInfo:
     return GroupInfo(pg, rank, size, ranks)
 
 
+def collective_device(group=None) -> torch.device:
+    """Where tensors that only travel through a collective of ``group`` belong (counts, timings,
+    fingerprints, benchmark inputs): the current CUDA device when the group's backend takes CUDA
+    tensors only (NCCL), else the CPU (gloo, or no process group). NCCL rejects a CPU tensor."""
+    pg = resolve_group(group)
+    if pg is None:
+        return torch.device("cpu")
+    try:  # the devices the group's backends serve; not a public attribute, hence the fallback
+        types = {d.type for d in pg._device_types}
+    except AttributeError:
+        types = {"cuda"} if str(dist.get_backend(pg)) == "nccl" else {"cpu"}
+    if types == {"cuda"}:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @contextlib.contextmanager
 def launched_process_group():
     """For ranks started by a launcher (torchrun): the default process group for the body, NCCL on
@@ -82,8 +99,6 @@ def launched_process_group():
     owned = not dist.is_initialized()
     if owned:
         import os
-
-        import torch
 
         cuda = torch.cuda.is_available()
         if cuda:
