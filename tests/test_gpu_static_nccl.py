@@ -136,6 +136,17 @@ def test_fake_cuda_tensors_read_back_real_values():
         assert gathered.cpu().tolist() == [x.tolist()] * 4
 
 
+def test_all_reduce_combines_the_ranks_simulated_so_far():
+    def drive(run):
+        x = torch.tensor([float(run.rank)], device="cuda")
+        y = x.clone()
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(y)
+        return x.item(), y.item()
+
+    assert [r.result for r in run_ranks(drive)] == [(0.0, 0.0), (1.0, 3.0), (2.0, 5.0), (3.0, 6.0)]
+
+
 def test_helper_threads_run_under_the_rank():
     """seqpar's All-Scan helper thread: its transfers are recorded like the caller's."""
     runs = run_ranks(nccl_cases.linear_drive("zeco", False, "world"))

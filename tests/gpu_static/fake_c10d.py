@@ -107,12 +107,16 @@ def describe(t: torch.Tensor) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- c10d
+_REDUCE = {0: lambda v: v.sum(0), 1: lambda v: v.mean(0), 2: lambda v: v.prod(0), 3: lambda v: v.amin(0),
+           4: lambda v: v.amax(0)}  # c10d's RedOpType: SUM, AVG, PRODUCT, MIN, MAX
+
+
 class Recorder(TorchDispatchMode):
     """Innermost dispatch mode: checks c10d ops, answers host reads from shadows, keeps shadows."""
 
-    def __init__(self, run: RankRun, shadows: WeakIdKeyDictionary):
+    def __init__(self, run: RankRun, shadows: WeakIdKeyDictionary, shared: dict):
         super().__init__()
-        self.run, self.shadows = run, shadows
+        self.run, self.shadows, self.shared, self.calls = run, shadows, shared, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -129,10 +133,53 @@ class Recorder(TorchDispatchMode):
         except (DynamicOutputShapeException, DataDependentOutputException):
             return self._from_shadow(func, args, kwargs)
         if func.namespace == "c10d":
-            _fill_collective(func._opname, args, self.shadows)
+            self._fill_collective(func._opname, args)
         else:
             self._shadow(func, args, kwargs, out)
         return out
+
+    def _fill_collective(self, name: str, args) -> None:
+        """Shadows of a collective's outputs. Data never moves between the simulated ranks, so a gather
+        or an all-to-all gives every slot what this rank sent; an all-reduce combines the values of the
+        ranks simulated before (same group, same call) with this rank's standing in for the later ones;
+        a broadcast gives what the root sent if it was simulated before."""
+        def sh(t):  # a real (CPU) tensor is its own value
+            return (self.shadows.get(t) if is_fake(t) else t) if isinstance(t, torch.Tensor) else None
+
+        pg = next((ProcessGroup.unbox(a) for a in args if type(a).__name__ == "ScriptObject"
+                   and "ProcessGroup" in str(a._type())), None)
+        key = (pg.group_name if pg is not None else "", name, self.calls.get((pg, name), 0))
+        self.calls[(pg, name)] = key[2] + 1
+        with _disable_current_modes():
+            if name in ("_allgather_base_", "allgather_into_tensor_coalesced_"):
+                pairs = [(args[0], args[1])] if name == "_allgather_base_" else list(zip(args[0], args[1]))
+                for o, i in pairs:
+                    if sh(o) is not None and sh(i) is not None:
+                        sh(o).view(-1, *sh(i).shape).copy_(sh(i))
+            elif name == "_reduce_scatter_base_":
+                out, inp = sh(args[0]), sh(args[1])
+                if out is not None and inp is not None:
+                    out.copy_(inp.view(-1, *out.shape).sum(0))
+            elif name == "alltoall_base_":
+                out, inp = sh(args[0]), sh(args[1])
+                if out is not None and inp is not None and out.shape == inp.shape:
+                    out.copy_(inp)
+            elif name == "allreduce_":
+                for i, t in enumerate(args[0]):
+                    mine = sh(t)
+                    if mine is None:
+                        continue
+                    before = self.shared.setdefault(key + (i,), [])
+                    values = before + [mine.clone()] * (pg.size() - len(before))
+                    before.append(mine.clone())
+                    mine.copy_(_REDUCE[args[2]._get_method("op")()](torch.stack(values)))
+            elif name == "broadcast_":
+                root = args[2] == pg.rank()
+                for i, t in enumerate(args[0]):
+                    if sh(t) is not None and root:
+                        self.shared[key + (i,)] = sh(t).clone()
+                    elif sh(t) is not None and key + (i,) in self.shared:
+                        sh(t).copy_(self.shared[key + (i,)])
 
     def _from_shadow(self, func, args, kwargs):
         """An op whose output shape depends on values (``nonzero``, boolean masks): computed on the
@@ -241,37 +288,6 @@ def _default_read(func, args):
         return True
     t = args[0]
     return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
-
-
-def _fill_collective(name: str, args, shadows) -> None:
-    """Shadows of a collective's outputs, as if every member had sent what this rank sent."""
-    def sh(t):  # a real (CPU) tensor is its own value
-        return (shadows.get(t) if is_fake(t) else t) if isinstance(t, torch.Tensor) else None
-
-    with _disable_current_modes():
-        if name == "_allgather_base_":
-            out, inp = sh(args[0]), sh(args[1])
-            if out is not None and inp is not None:
-                out.view(-1, *inp.shape).copy_(inp)
-        elif name == "allgather_into_tensor_coalesced_":
-            for o, i in zip(args[0], args[1]):
-                if sh(o) is not None and sh(i) is not None:
-                    sh(o).view(-1, *sh(i).shape).copy_(sh(i))
-        elif name == "allgather_":
-            for outs, i in zip(args[0], args[1]):
-                for o in outs:
-                    if sh(o) is not None and sh(i) is not None:
-                        sh(o).copy_(sh(i))
-        elif name == "_reduce_scatter_base_":
-            out, inp = sh(args[0]), sh(args[1])
-            if out is not None and inp is not None:
-                n = inp.numel() // max(1, out.numel())
-                out.copy_(inp.view(n, *out.shape).sum(0))
-        elif name == "alltoall_base_":
-            out, inp = sh(args[0]), sh(args[1])
-            if out is not None and inp is not None and out.shape == inp.shape:
-                out.copy_(inp)
-        # all_reduce, broadcast, p2p: the shadow keeps this rank's own values (every rank alike)
 
 
 def mismatches(runs: list[RankRun]) -> list[str]:

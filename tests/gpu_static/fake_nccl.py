@@ -54,6 +54,7 @@ def nccl_rank(rank: int, world_size: int = WORLD, *, backend: str = "nccl", kern
     them), so the communication under test runs as it does whatever kernel a GPU picks; None:
     seqpar's own dispatch. ``shared``: what object collectives of earlier ranks left (:func:`run_ranks`).
     """
+    shared = {} if shared is None else shared
     run = RankRun(rank, world_size, backend)
     cuda = run.cuda = FakeCudaModule(run, rank)
     shadows = WeakIdKeyDictionary()
@@ -62,7 +63,7 @@ def nccl_rank(rank: int, world_size: int = WORLD, *, backend: str = "nccl", kern
 
     @contextlib.contextmanager
     def modes():
-        with torch.no_grad(), fake, cuda_methods_mode(run, shadows, tape_backward), Recorder(run, shadows):
+        with torch.no_grad(), fake, cuda_methods_mode(run, shadows, tape_backward), Recorder(run, shadows, shared):
             yield
 
     def init_process_group(*args, **kwargs):  # torchrun's ranks: the fake group, whatever backend is asked for
@@ -88,7 +89,7 @@ def nccl_rank(rank: int, world_size: int = WORLD, *, backend: str = "nccl", kern
             stack.enter_context(no_autograd())
             stack.enter_context(mock.patch.object(torch.autograd.Function, "apply", function_apply(run, call_site)))
             stack.enter_context(inline_threads())
-            stack.enter_context(object_collectives(run, {} if shared is None else shared))
+            stack.enter_context(object_collectives(run, shared))
             if kernels == "reference":
                 stack.enter_context(_reference_kernels_only())
             stack.enter_context(modes())
