@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from .comm import CommStats, all_gather_stack, group_info
+from .comm.groups import collective_device
 from .kernels.varlen import Segment, TensorCache, VarlenSegments
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -90,12 +91,13 @@ def check_same_on_ranks(cu_host: Sequence[int], group=None, *, device=None,
     """Cheap collective check that every rank passed the same ``cu_seqlens``.
 
     All-gathers a 3-number fingerprint (count, total, weighted checksum) on ``device``
-    (default CPU; pass the CUDA device under NCCL). Every rank sees every fingerprint, so
-    every rank raises the same ``ValueError`` and none is left waiting.
+    (default: the group's collective device, the GPU under NCCL). Every rank sees every
+    fingerprint, so every rank raises the same ``ValueError`` and none is left waiting.
     """
     info = group_info(group)
     if info.single:
         return
+    device = collective_device(info.group) if device is None else device
     p = (1 << 61) - 1
     fp = torch.tensor([len(cu_host), cu_host[-1], sum((i + 1) * x for i, x in enumerate(cu_host)) % p],
                       dtype=torch.int64, device=device)
