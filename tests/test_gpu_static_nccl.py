@@ -84,6 +84,20 @@ def test_tags_matter_because_nccl_ignores_them():
         run_ranks(drive)
 
 
+def test_a_first_batch_that_some_members_skip_is_reported():
+    def drive(run):
+        x = torch.zeros(2, device="cuda")
+        if run.rank < 2:  # ranks 2, 3 start with a collective instead
+            peer = 1 - run.rank
+            for w in torch.distributed.batch_isend_irecv([torch.distributed.P2POp(torch.distributed.isend, x, peer),
+                                                          torch.distributed.P2POp(torch.distributed.irecv, x, peer)]):
+                w.wait()
+        torch.distributed.barrier()
+
+    with pytest.raises(AssertionError, match=r"first used by a batch_isend_irecv of ranks \[0, 1\]"):
+        run_ranks(drive)
+
+
 def test_streams_and_synchronisation_on_a_cpu_path_are_reported():
     with nccl_rank(0) as run:
         torch.cuda.synchronize(torch.device("cpu"))

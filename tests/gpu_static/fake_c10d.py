@@ -169,9 +169,10 @@ class Recorder(TorchDispatchMode):
                     mine = sh(t)
                     if mine is None:
                         continue
-                    before = self.shared.setdefault(key + (i,), [])
+                    stored = self.shared.setdefault(key + (i,), [])
+                    before = [v for v in stored if v.shape == mine.shape]  # other shapes: a reported mismatch
                     values = before + [mine.clone()] * (pg.size() - len(before))
-                    before.append(mine.clone())
+                    stored.append(mine.clone())
                     mine.copy_(_REDUCE[args[2]._get_method("op")()](torch.stack(values)))
             elif name == "broadcast_":
                 root = args[2] == pg.rank()
@@ -301,6 +302,8 @@ def mismatches(runs: list[RankRun]) -> list[str]:
     recvs: dict = {}
     for run in runs:
         for op in run.comm:
+            if op.name == "batch_isend_irecv":
+                continue
             if op.peer is not None:
                 a, b = (run.rank, op.peer) if op.name == "send" else (op.peer, run.rank)
                 (sends if op.name == "send" else recvs).setdefault((op.group, a, b), []).append(op)
@@ -322,6 +325,7 @@ def mismatches(runs: list[RankRun]) -> list[str]:
                 if not same or (x.name != "alltoall_base_" and x.specs != y.specs):
                     out.append(f"group {list(members)}: rank {ranks[0]} {x} but rank {r} {y}")
                     break
+    out += _first_batches(runs)
     for key in sorted(set(sends) | set(recvs)):
         s, r = sends.get(key, []), recvs.get(key, [])
         if len(s) != len(r):
@@ -331,6 +335,44 @@ def mismatches(runs: list[RankRun]) -> list[str]:
                 out.append(f"{key[1]} -> {key[2]}: send {x} pairs with receive {y}")
                 break
     return out
+
+
+def _first_batches(runs: list[RankRun]) -> list[str]:
+    """NCCL: when ``batch_isend_irecv`` is the first operation on a communicator, every member must
+    take part in it (torch's documentation of ``batch_isend_irecv``; the communicator is created
+    there, collectively)."""
+    first: dict = {}
+    for run in runs:
+        for op in run.comm:
+            if op.ranks and len(op.ranks) > 1:
+                first.setdefault(op.group, {}).setdefault(run.rank, op)
+    out = []
+    for per_rank in first.values():
+        batch = [r for r, op in per_rank.items() if op.name == "batch_isend_irecv"]
+        if batch and len(batch) != len(next(iter(per_rank.values())).ranks):
+            op = per_rank[batch[0]]
+            others = sorted(set(op.ranks) - set(batch))
+            out.append(f"group {list(op.ranks)}: first used by a batch_isend_irecv of ranks {batch} at {op.site}, "
+                       f"which ranks {others} do not join (their first op there: "
+                       f"{[str(per_rank[r]) if r in per_rank else 'none' for r in others]})")
+    return out
+
+
+@contextlib.contextmanager
+def batch_marker(run: RankRun):
+    """``dist.batch_isend_irecv``, recorded as one op before its sends and receives."""
+    real = dist.batch_isend_irecv
+
+    def batch_isend_irecv(p2p_op_list):
+        group = p2p_op_list[0].group if p2p_op_list else None
+        pg = group if group is not None else dist.group.WORLD
+        with run.lock:
+            run.comm.append(CommOp("batch_isend_irecv", pg.group_name, tuple(dist.get_process_group_ranks(pg)),
+                                   None, None, (), call_site(), run.phase))
+        return real(p2p_op_list)
+
+    with mock.patch.object(dist, "batch_isend_irecv", batch_isend_irecv):
+        yield
 
 
 @contextlib.contextmanager

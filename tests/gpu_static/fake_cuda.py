@@ -40,6 +40,9 @@ class _NoDeviceFakeTensorMode(FakeTensorMode):
 
 
 def fake_tensor_mode() -> FakeTensorMode:
+    # torch's cache of fake results is one per process and its keys leave out the current CUDA device:
+    # a tensor made on "cuda" by the rank simulated before would come back on that rank's GPU
+    FakeTensorMode.cache_clear()
     # real tensors made before the mode (module constants, a CPU cu_seqlens) may meet fake ones
     return _NoDeviceFakeTensorMode(allow_non_fake_inputs=True)
 
@@ -182,6 +185,7 @@ class FakeCudaModule:
         stack = contextlib.ExitStack()
         for name, fn in table.items():
             stack.enter_context(mock.patch.object(torch.cuda, name, fn))
+        stack.enter_context(mock.patch.object(torch.cuda.nccl, "version", lambda: (2, 27, 3)))  # torch asks on send
         return stack
 
 
@@ -319,6 +323,9 @@ def cuda_methods_mode(run, shadows, tape_backward) -> TorchFunctionMode:
     class CudaMethods(TorchFunctionMode):
         def __torch_function__(self, func, types_, args=(), kwargs=None):
             kwargs = kwargs or {}
+            device = kwargs.get("device")
+            if device is not None and str(device) == "cuda":  # the C++ side would take GPU 0, not the current one
+                kwargs = {**kwargs, "device": torch.device("cuda", torch.cuda.current_device())}
             if func in any_tensor:
                 with self:  # the handlers run torch code (a Function's backward) under this mode too
                     return any_tensor[func](*args, **kwargs)

@@ -34,7 +34,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .fake_autograd import function_apply, inline_threads, tape_backward
-from .fake_c10d import CommOp, RankRun, Recorder, Violation, call_site, mismatches, object_collectives
+from .fake_c10d import CommOp, RankRun, Recorder, Violation, batch_marker, call_site, mismatches, object_collectives
 from .fake_cuda import FakeCudaModule, cuda_methods_mode, fake_tensor_mode, fake_tolist, no_autograd
 
 __all__ = ["CommOp", "RankRun", "Violation", "WORLD", "nccl_rank", "run_ranks"]
@@ -44,7 +44,7 @@ WORLD = 4
 
 @contextlib.contextmanager
 def nccl_rank(rank: int, world_size: int = WORLD, *, backend: str = "nccl", kernels: str | None = "reference",
-              shared: dict | None = None):
+              set_device: bool = True, shared: dict | None = None):
     """Simulate ``rank`` of ``world_size`` torchrun ranks (one GPU each, local rank = rank) for the
     body; yields its :class:`RankRun`. The default group exists on entry and is destroyed on exit.
 
@@ -52,7 +52,9 @@ def nccl_rank(rank: int, world_size: int = WORLD, *, backend: str = "nccl", kern
     machine (the fake group takes any tensor): there, any CUDA stream, event or synchronisation is a
     violation. ``kernels="reference"``: seqpar's plain-torch block kernels only (fake CUDA tensors run
     them), so the communication under test runs as it does whatever kernel a GPU picks; None:
-    seqpar's own dispatch. ``shared``: what object collectives of earlier ranks left (:func:`run_ranks`).
+    seqpar's own dispatch. ``set_device``: select GPU ``rank`` first, as a script using seqpar's
+    functions must (False for seqpar's commands, which do it themselves). ``shared``: what the
+    collectives of the ranks simulated before left (:func:`run_ranks`).
     """
     shared = {} if shared is None else shared
     run = RankRun(rank, world_size, backend)
@@ -90,9 +92,12 @@ def nccl_rank(rank: int, world_size: int = WORLD, *, backend: str = "nccl", kern
             stack.enter_context(mock.patch.object(torch.autograd.Function, "apply", function_apply(run, call_site)))
             stack.enter_context(inline_threads())
             stack.enter_context(object_collectives(run, shared))
+            stack.enter_context(batch_marker(run))
             if kernels == "reference":
                 stack.enter_context(_reference_kernels_only())
             stack.enter_context(modes())
+            if set_device and backend == "nccl":
+                torch.cuda.set_device(rank)
             yield run
     finally:
         if dist.is_initialized():

@@ -42,6 +42,7 @@ class Case:
     ci: bool = True
     needs: tuple = ("fwd",)  # phases that must communicate (on every rank of a group of 2+)
     backend: str = "nccl"  # "gloo": a CPU job on the GPU machine (CPU tensors; no CUDA stream may appear)
+    command: bool = False  # a seqpar command: it selects the rank's GPU itself (a library call's caller does)
 
     @property
     def id(self) -> str:
@@ -66,7 +67,7 @@ class Row:
 
 def check(case: Case) -> Row:
     """Run ``case`` on every rank; raises AssertionError (violations, mismatches, a silent phase)."""
-    runs = run_ranks(case.drive, backend=case.backend)
+    runs = run_ranks(case.drive, backend=case.backend, set_device=not case.command)
     ops: dict = {}
     for run in runs:
         for op in run.comm:
@@ -256,10 +257,11 @@ def entry_cases() -> list[Case]:
         Case("seqpar.shard (CPU tensor)", "dense", "world, check_ranks", shard_drive(True)),
         Case("packing.check_same_on_ranks", "packed", "world", check_same_drive),
         Case("seqpar bench", "dense", "world", bench_drive(["--methods", "zigzag_ring,ulysses,lasp2", "--seq-lens",
-                                                             "64"])),
+                                                             "64"]), command=True),
         Case("seqpar bench", "packed", "world", bench_drive(["--methods", "zigzag_ring", "--packed", "--seq-lens",
-                                                              "256"]), ci=False),
-        Case("seqpar bench --linear", "dense", "world", bench_drive(["--linear", "--seq-lens", "64"]), ci=False),
+                                                              "256"]), ci=False, command=True),
+        Case("seqpar bench --methods all", "dense", "world", bench_drive(["--methods", "all", "--seq-lens", "64"]),
+             ci=False, command=True),
         Case("seqpar.linear.bench_linear", "dense", "world", linear_bench_drive("cuda")),
         Case("seqpar.linear.bench_linear (default device)", "dense", "world", linear_bench_drive(None)),
         *nccl_entries.cases(),
