@@ -72,12 +72,19 @@ class RankRun:
     violations: list = field(default_factory=list)
     tape: list = field(default_factory=list)
     backward_calls: list = field(default_factory=list)
+    host_reads: list = field(default_factory=list)  # (what, call site, phase) of every read of a CUDA value
     cuda: FakeCudaModule | None = None
     result: object = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def ops(self, phase: str | None = None) -> list[str]:
         return [op.name for op in self.comm if phase is None or op.phase == phase]
+
+    def host_read(self, x: torch.Tensor, what: str) -> None:
+        """A value of ``x`` read on the host: on a GPU, a device-to-host copy the host waits for."""
+        if x.device.type == "cuda":
+            with self.lock:
+                self.host_reads.append((what, call_site(), self.phase))
 
     def flag(self, kind: str, op: str, site: str, detail: str) -> None:
         with self.lock:
@@ -226,6 +233,7 @@ class Recorder(TorchDispatchMode):
                               f"{describe(t)}, current device cuda:{current}")
 
     def _host_read(self, func, args, kwargs):
+        self.run.host_read(args[0], func._opname)
         try:
             sargs, skwargs = self._shadow_args(args, kwargs)
         except KeyError:

@@ -268,9 +268,10 @@ def no_autograd():
         yield
 
 
-def fake_tolist(shadows):
+def fake_tolist(run, shadows):
     """``FakeTensor.tolist`` (one ``item()`` per element) answered from the shadow at once."""
     def tolist(x):
+        run.host_read(x, "tolist")
         value = shadows.get(x)
         return (torch.ones(x.shape, dtype=x.dtype) if value is None else value).tolist()
 
@@ -295,6 +296,7 @@ def cuda_methods_mode(run, shadows, tape_backward) -> TorchFunctionMode:
 
     def host(convert):
         def read(x, *args):
+            run.host_read(x, convert.__name__)
             value = shadows.get(x)
             if value is None:  # a value nobody knows (an op without a CPU kernel made it): a plausible one
                 value = torch.ones(x.shape, dtype=x.dtype)

@@ -87,7 +87,7 @@ def nccl_rank(rank: int, world_size: int = WORLD, *, backend: str = "nccl", kern
             stack.enter_context(cuda.patch())
             stack.enter_context(mock.patch.object(dist, "init_process_group", init_process_group))
             stack.enter_context(mock.patch.object(dist, "get_backend", get_backend))
-            stack.enter_context(fake_tolist(shadows))
+            stack.enter_context(fake_tolist(run, shadows))
             stack.enter_context(no_autograd())
             stack.enter_context(mock.patch.object(torch.autograd.Function, "apply", function_apply(run, call_site)))
             stack.enter_context(inline_threads())

@@ -43,6 +43,8 @@ class Case:
     needs: tuple = ("fwd",)  # phases that must communicate (on every rank of a group of 2+)
     backend: str = "nccl"  # "gloo": a CPU job on the GPU machine (CPU tensors; no CUDA stream may appear)
     command: bool = False  # a seqpar command: it selects the rank's GPU itself (a library call's caller does)
+    # phase -> most host reads of CUDA values per rank (each a device-to-host sync on a GPU); None: any
+    host_reads: dict | None = None
 
     @property
     def id(self) -> str:
@@ -57,12 +59,14 @@ class Row:
     case: Case
     ops: dict
     backward: list
+    host_reads: dict  # "phase: what at site" -> count, over the ranks (each a device-to-host sync on a GPU)
     result: str = "clean"
 
     def as_dict(self) -> dict:
         return {"entry": self.case.entry, "layout": self.case.layout, "group": self.case.group,
                 "backend": self.case.backend,
-                "ci": self.case.ci, "ops": self.ops, "backward": self.backward, "result": self.result}
+                "ci": self.case.ci, "ops": self.ops, "backward": self.backward, "host_reads": self.host_reads,
+                "result": self.result}
 
 
 def check(case: Case) -> Row:
@@ -75,8 +79,14 @@ def check(case: Case) -> Row:
         for phase in case.needs:
             if not any(op.phase == phase for op in run.comm):
                 raise AssertionError(f"{case.id}: rank {run.rank} did not communicate in phase {phase!r}")
+        for phase, most in (case.host_reads or {}).items():
+            reads = [f"{what} at {site}" for what, site, p in run.host_reads if p == phase]
+            if len(reads) > most:
+                raise AssertionError(f"{case.id}: rank {run.rank} read {len(reads)} CUDA value(s) on the host in "
+                                     f"phase {phase!r} (at most {most}: each one stalls the GPU stream): {reads[:5]}")
     backward = sorted({name for run in runs for name, _ in run.backward_calls})
-    return Row(case, {p: dict(c) for p, c in ops.items()}, backward)
+    reads = Counter(f"{phase}: {what} at {site}" for run in runs for what, site, phase in run.host_reads)
+    return Row(case, {p: dict(c) for p, c in ops.items()}, backward, dict(reads))
 
 
 # --------------------------------------------------------------------------------------------- inputs
@@ -109,6 +119,7 @@ def _expect(t: torch.Tensor, shape, like: torch.Tensor | None = None) -> None:
 # ---------------------------------------------------------------------------------------- softmax
 def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = False, usp: str = "flat"):
     def drive(run: RankRun) -> None:
+        run.phase = "shard"
         group = _group(run, kind)
         plain = group.group if isinstance(group, TokenRingGroups) else group
         opts = {}
@@ -143,33 +154,38 @@ def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = Fals
     return drive
 
 
+# The attention step loops never wait for the host: no CUDA value is read back while they run.
+_SOFTMAX = {"needs": ("fwd", "bwd"), "host_reads": {"shard": 0, "fwd": 0, "bwd": 0, "unshard": 0}}
+
+
 def softmax_cases() -> list[Case]:
     cases = []
     for m in seqpar.METHODS:
         for packed in (False, True):
             lay = "packed" if packed else "dense"
-            cases.append(Case(m, lay, "world", softmax_drive(m, packed, "world"), needs=("fwd", "bwd")))
-            cases.append(Case(m, lay, "2 groups of 2", softmax_drive(m, packed, "2 groups of 2"),
-                              ci=not packed, needs=("fwd", "bwd")))
+            cases.append(Case(m, lay, "world", softmax_drive(m, packed, "world"), **_SOFTMAX))
+            cases.append(Case(m, lay, "2 groups of 2", softmax_drive(m, packed, "2 groups of 2"), ci=not packed,
+                              **_SOFTMAX))
         cases.append(Case(m, "dense", "world, check_ranks", softmax_drive(m, False, "world", True),
-                          ci=m == "zigzag_ring", needs=("fwd", "bwd")))
+                          ci=m == "zigzag_ring", **_SOFTMAX))
     for m in ("token_ring", "lightseq"):
         for packed in (False, True):
             cases.append(Case(m, "packed" if packed else "dense", "TokenRingGroups",
                               softmax_drive(m, packed, "TokenRingGroups"), ci=m == "token_ring" and not packed,
-                              needs=("fwd", "bwd")))
+                              **_SOFTMAX))
     for m in ("zigzag_ring", "token_ring"):  # a CPU job on a GPU machine: no CUDA stream on its path
         cases.append(Case(m, "dense", "world", softmax_drive(m, False, "world"), ci=m == "zigzag_ring",
-                          needs=("fwd", "bwd"), backend="gloo"))
+                          backend="gloo", **_SOFTMAX))
     for how in ("mesh", "make_usp_groups"):
         cases.append(Case("usp", "dense", f"2x2 {how}", softmax_drive("usp", False, "world", usp=how),
-                          ci=how == "mesh", needs=("fwd", "bwd")))
+                          ci=how == "mesh", **_SOFTMAX))
     return cases
 
 
 # ----------------------------------------------------------------------------------------- linear
 def linear_drive(method: str, packed: bool, kind: str, check_ranks: bool = False, final_state: bool = False):
     def drive(run: RankRun) -> None:
+        run.phase = "shard"
         group = _group(run, kind)
         T = 64
         q, k, v, dout = (seqpar.shard(_tensor(run, 1, T, 2, D), method=method, group=group) for _ in range(4))
@@ -186,18 +202,22 @@ def linear_drive(method: str, packed: bool, kind: str, check_ranks: bool = False
     return drive
 
 
+# One read per call, in forward: linear_attention checks on the host that the log-decay g <= 0
+# (seqpar.linear.api._validate) before any communication; the scans themselves read nothing back.
+_LINEAR = {"needs": ("fwd", "bwd"), "host_reads": {"shard": 0, "fwd": 1, "bwd": 0}}
+
+
 def linear_cases() -> list[Case]:
     cases = []
     for m in seqpar.LINEAR_METHODS:
         for packed in (False, True):
             lay = "packed" if packed else "dense"
-            cases.append(Case(m, lay, "world", linear_drive(m, packed, "world"), needs=("fwd", "bwd")))
-            cases.append(Case(m, lay, "2 groups of 2", linear_drive(m, packed, "2 groups of 2"), ci=False,
-                              needs=("fwd", "bwd")))
+            cases.append(Case(m, lay, "world", linear_drive(m, packed, "world"), **_LINEAR))
+            cases.append(Case(m, lay, "2 groups of 2", linear_drive(m, packed, "2 groups of 2"), ci=False, **_LINEAR))
         cases.append(Case(m, "dense", "world, check_ranks, states", linear_drive(m, False, "world", True, True),
-                          ci=m == "zeco", needs=("fwd", "bwd")))
-        cases.append(Case(m, "dense", "world", linear_drive(m, False, "world"), ci=m == "zeco",
-                          needs=("fwd", "bwd"), backend="gloo"))
+                          ci=m == "zeco", **_LINEAR))
+        cases.append(Case(m, "dense", "world", linear_drive(m, False, "world"), ci=m == "zeco", backend="gloo",
+                          **_LINEAR))
     return cases
 
 
