@@ -159,10 +159,10 @@ def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int 
     layout = layout_of(method)
     dim = dim % x.dim()
     check_global_length(x.shape[dim], info.size, layout, method=method)
-    idx = token_indices(x.shape[dim], info.size, info.rank, layout, device=x.device)
-    if layout == "contiguous":
-        return x.narrow(dim, int(idx[0]), idx.numel()).contiguous()
-    return x.index_select(dim, idx)
+    if layout == "contiguous":  # a slice whose start is known on the host (no device index to read back)
+        t_local = x.shape[dim] // info.size
+        return x.narrow(dim, info.rank * t_local, t_local).contiguous()
+    return x.index_select(dim, token_indices(x.shape[dim], info.size, info.rank, layout, device=x.device))
 
 
 def unshard(x_local: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int = 1, cu_seqlens=None,
