@@ -15,10 +15,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import seqpar
+
 from .fake_nccl import RankRun
 
-# the one internal module these cases drive (the phases of ``seqpar calibrate``); the rest is public API
+# the internal modules these cases drive (the phases of ``seqpar calibrate``; torch checkpoint's
+# context_fn of seqpar.checkpoint); the rest is public API
 MEASURE = "seqpar.schedulers.measure"
+CHECKPOINT = "seqpar.attention.checkpoint"
 
 SHAPE = (4, 2, 8)  # heads, kv heads, head dim of the calibration phases
 
@@ -110,6 +114,31 @@ def execute_drive(with_params: bool):
     return drive
 
 
+# -------------------------------------------------------------------------------------- checkpoint
+def checkpoint_drive(method: str):
+    """``seqpar.checkpoint``'s two contexts as torch's checkpoint enters them: the forward records each
+    attention's (out, lse); the recomputation before backward replays them and sends nothing (Ulysses
+    and USP: their q, k, v all-to-all only, whose head shards their backward needs)."""
+    def drive(run: RankRun) -> None:
+        from .nccl_cases import D, HKV, HQ, T_DENSE, _tensor
+
+        run.phase = "shard"
+        q, k, v, dout = (seqpar.shard(_tensor(run, 1, T_DENSE, h, D), method=method) for h in (HQ, HKV, HKV, HQ))
+        recording, replaying = _module(CHECKPOINT).attention_context_fn()
+        run.phase = "fwd"
+        with recording:
+            seqpar.attention(q, k, v, method=method, causal=True)
+        run.phase = "recompute"
+        with replaying:
+            out = seqpar.attention(q, k, v, method=method, causal=True)
+        again = [op.name for op in run.comm if op.phase == "recompute"]
+        assert again == (["alltoall_base_"] if method in ("ulysses", "usp") else []), f"the recomputation sent {again}"
+        run.phase = "bwd"
+        out.backward(dout)
+
+    return drive
+
+
 # -------------------------------------------------------------------------------------- trainer
 def _tiny_config(tmp: str) -> str:
     from .nccl_cases import TINY_LLAMA
@@ -160,6 +189,11 @@ def cases():
     from .nccl_cases import Case
 
     return [
+        Case("seqpar.checkpoint (replayed forward)", "dense", "world, zigzag_ring", checkpoint_drive("zigzag_ring"),
+             needs=("fwd", "bwd"), host_reads={"fwd": 0, "recompute": 0, "bwd": 0}),
+        *(Case("seqpar.checkpoint (replayed forward)", "dense", f"world, {m}", checkpoint_drive(m), ci=False,
+               needs=("fwd", "bwd"), host_reads={"fwd": 0, "recompute": 0, "bwd": 0})
+          for m in ("ulysses", "usp", "token_ring", "lightseq")),
         Case("calibrate: measure.phase_plans", "packed", "2 groups of 2", phase_plans_drive(2)),
         Case("calibrate: measure.phase_plans", "packed", "world", phase_plans_drive(4), ci=False),
         Case("calibrate: measure.phase_links", "dense", "2 groups of 2, world", phase_links_drive),
