@@ -23,7 +23,7 @@ from .fake_cuda import FakeCudaModule, is_fake
 
 _SCALAR_OPS = ("_local_scalar_dense", "equal", "is_nonzero", "allclose")
 # floating-point results larger than this get no shadow: host reads need indices, counts, fingerprints
-# and scalars; replaying the attention arithmetic itself on the CPU only costs time
+# and scalars; replaying the attention arithmetic on the CPU too took 2.3 s of 4.2 (packed zigzag row)
 SHADOW_FLOATS = 64
 
 

@@ -1,23 +1,21 @@
 """Fake NCCL: one rank of an N-rank NCCL job on GPUs, simulated in this process without a GPU.
 
-:func:`nccl_rank` sets up one rank (run the ranks of a job one after the other):
+:func:`nccl_rank` sets up one rank (:func:`run_ranks` runs the ranks of a job one after the other):
 
 - torch's fake process group (``torch.testing._internal.distributed.fake_pg``) as the *CUDA* backend
-  only (``"cuda:fake"``), reported as ``"nccl"`` by ``dist.get_backend``: a real CPU tensor in a
-  collective fails as it does under NCCL; every launcher variable (RANK, LOCAL_RANK, WORLD_SIZE) set
-  as torchrun sets them, and ``init_process_group`` of any backend makes the fake group;
-- fake CUDA tensors (``FakeTensorMode``), each with a CPU *shadow*: every op also runs on CPU copies, so
-  host reads (``.item()``, ``.tolist()``, ``torch.equal``) see real values; a collective fills the
-  shadows as if every rank had sent what this rank sent (no data moves between the simulated ranks);
-- ``torch.cuda`` answering like a machine with one GPU per rank (``is_available``, ``set_device``,
-  ``synchronize``, streams and events as recording stand-ins);
-- a recorder of every c10d operation: a CPU tensor handed to a collective or a point-to-point op, or a
-  CUDA tensor on another device than the current one, is a :class:`Violation` naming the op, the call
-  site and the tensor; so is a stream, event or synchronisation on a CPU device or CPU tensors;
-- an autograd stand-in (autograd over fake CUDA tensors aborts the process): ops run without a graph,
-  ``torch.autograd.Function.apply`` runs ``forward`` with a stand-in ``ctx`` and records it, and
-  ``tensor.backward(grad)`` runs the recorded Functions' ``backward`` in reverse order with gradients
-  of the outputs' shapes, checking each returned gradient's shape, dtype and device against its input.
+  only (``"cuda:fake"``), reported as ``"nccl"`` by ``dist.get_backend``; the launcher variables set
+  as torchrun sets them (RANK = LOCAL_RANK, WORLD_SIZE), and ``init_process_group`` of any backend
+  makes the fake group, so seqpar's commands run as under torchrun;
+- fake CUDA tensors (``FakeTensorMode``); host work on CPU tensors runs for real, and fake tensors
+  whose values a host read may need (integers, booleans, small floats) keep a CPU *shadow*, so
+  ``.item()``, ``.tolist()``, ``torch.equal`` see real values (:mod:`.fake_c10d`: a gather gives
+  what this rank sent, an all-reduce combines the ranks simulated so far);
+- ``torch.cuda`` answering like a machine with one GPU per rank (:mod:`.fake_cuda`);
+- checks (:mod:`.fake_c10d`): every c10d op's tensors (no CPU tensor, none off the rank's GPU, no
+  transfer to itself), streams, events and synchronisations only on CUDA paths, every read of a CUDA
+  value on the host counted, and across the ranks (:func:`~.fake_c10d.mismatches`) the collectives
+  and send/receive pairs NCCL would hang on or mis-deliver;
+- an autograd stand-in (:mod:`.fake_autograd`): autograd over fake CUDA tensors aborts the process.
 
 The torch internals this needs are imported by this package's ``fake_*`` modules only.
 """
