@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..comm.groups import group_info
+from ..comm.groups import collective_device, group_info
 from ..comm.stats import CommStats
 from ..linear import linear_attention
 
@@ -35,7 +35,9 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
     over ``repeats`` and the ``*_max`` fields are the slowest rank's (what a training step waits
     for). ``cpu_s`` is this process's CPU time for one call (all its threads): on an oversubscribed
     machine it measures the work a rank does, where wall time measures the machine's load.
-    ``stats``, when given, receives the bytes of one call. Returns a dict of plain numbers.
+    ``stats``, when given, receives the bytes of one call. ``device``: where the tensors live
+    (default: the group's, i.e. this rank's GPU under NCCL, else the CPU). Returns a dict of plain
+    numbers.
     """
     info = group_info(group)
     n = info.size
@@ -43,7 +45,7 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
         raise ValueError(f"T_global: {T_global} is not divisible by the group size {n}")
     t_local = T_global // n
     gen = torch.Generator().manual_seed(seed + info.rank)
-    dev = torch.device("cpu") if device is None else torch.device(device)
+    dev = collective_device(group) if device is None else torch.device(device)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(dev, dtype)
@@ -102,7 +104,7 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
            "cpu_s": statistics.median(cpu), "bytes_fwd": one.total("fwd"), "bytes_bwd": one.total("bwd"),
            "bytes_by_primitive": one.as_dict()}
     res["total_s"] = res["fwd_s"] + res["bwd_s"]
-    worst = torch.tensor([res["fwd_s"], res["bwd_s"], res["total_s"]], dtype=torch.float64)
+    worst = torch.tensor([res["fwd_s"], res["bwd_s"], res["total_s"]], dtype=torch.float64, device=dev)
     if not info.single:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)
     res["fwd_s_max"], res["bwd_s_max"], res["total_s_max"] = worst.tolist()
