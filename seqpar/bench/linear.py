@@ -25,6 +25,28 @@ def efficiency(t_single: float, t_parallel: float, n: int) -> float:
     return t_single / (n * t_parallel)
 
 
+def _inputs(B: int, t_local: int, H: int, K: int, V: int, decay: str, dev, dtype, gen, backward: bool):
+    """q, k, v, g (or None), dout of one rank: random, log-decays in (-1/16, 0)."""
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dev, dtype)
+
+    q, k, v = rnd(B, t_local, H, K), rnd(B, t_local, H, K), rnd(B, t_local, H, V)
+    g = None
+    if decay == "k":
+        g = F.logsigmoid(rnd(B, t_local, H, K).float() + 3).to(dtype) / 16
+    elif decay == "s":
+        g = F.logsigmoid(rnd(B, t_local, H).float() + 3).to(dtype) / 16
+    for t in (q, k, v) + ((g,) if g is not None else ()):
+        t.requires_grad_(backward)
+    return q, k, v, g, rnd(B, t_local, H, V)
+
+
+def _add_stats(stats: CommStats, one: CommStats) -> None:
+    for table in ("sent", "calls", "peer_bytes"):
+        for key, val in getattr(one, table).items():
+            getattr(stats, table)[key] += val
+
+
 def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: int = 3,
                  stats: CommStats | None = None, *, B: int = 1, group=None, dtype=torch.float32,
                  decay: str = "k", backward: bool = True, warmup: int = 1, device=None, seed: int = 0) -> dict:
@@ -44,31 +66,19 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
     if T_global % n:
         raise ValueError(f"T_global: {T_global} is not divisible by the group size {n}")
     t_local = T_global // n
-    gen = torch.Generator().manual_seed(seed + info.rank)
     dev = collective_device(group) if device is None else torch.device(device)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(dev, dtype)
-
-    q, k, v = rnd(B, t_local, H, K), rnd(B, t_local, H, K), rnd(B, t_local, H, V)
-    g = None
-    if decay == "k":
-        g = F.logsigmoid(rnd(B, t_local, H, K).float() + 3).to(dtype) / 16
-    elif decay == "s":
-        g = F.logsigmoid(rnd(B, t_local, H).float() + 3).to(dtype) / 16
-    leaves = [t.requires_grad_(backward) for t in (q, k, v) + ((g,) if g is not None else ())]
-    do = rnd(B, t_local, H, V)
+    q, k, v, g, do = _inputs(B, t_local, H, K, V, decay, dev, dtype, torch.Generator().manual_seed(seed + info.rank),
+                             backward)
+    leaves = [t for t in (q, k, v, g) if t is not None]
 
     def sync():
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    def barrier():
+    def call(st=None):
         sync()
         if not info.single:
             dist.barrier(group=info.group)
-
-    def call(st=None):
         c0, t0 = time.process_time(), time.perf_counter()
         o, _ = linear_attention(q, k, v, g, group=group, method=method, stats=st)
         sync()
@@ -79,25 +89,12 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
         return t1 - t0, time.perf_counter() - t1, time.process_time() - c0
 
     one = CommStats()
-    barrier()
     call(one)                                     # untimed: counts the bytes of one call
     if stats is not None:
-        for key, val in one.sent.items():
-            stats.sent[key] += val
-        for key, val in one.calls.items():
-            stats.calls[key] += val
-        for key, val in one.peer_bytes.items():
-            stats.peer_bytes[key] += val
+        _add_stats(stats, one)
     for _ in range(warmup):
-        barrier()
         call()
-    fwd, bwd, cpu = [], [], []
-    for _ in range(repeats):
-        barrier()
-        tf, tb, tc = call()
-        fwd.append(tf)
-        bwd.append(tb)
-        cpu.append(tc)
+    fwd, bwd, cpu = zip(*(call() for _ in range(repeats)))
     res = {"method": method, "N": n, "rank": info.rank, "B": B, "T_global": T_global, "T_local": t_local,
            "H": H, "K": K, "V": V, "dtype": str(dtype).replace("torch.", ""), "decay": decay,
            "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd) if backward else 0.0,
