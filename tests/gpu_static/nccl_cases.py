@@ -117,7 +117,8 @@ def _expect(t: torch.Tensor, shape, like: torch.Tensor | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------- softmax
-def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = False, usp: str = "flat"):
+def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = False, usp: str = "flat",
+                  window: int | None = None):
     def drive(run: RankRun) -> None:
         run.phase = "shard"
         group = _group(run, kind)
@@ -141,7 +142,7 @@ def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = Fals
                          for h in (HQ, HKV, HKV, HQ))
         run.phase = "fwd"
         out = seqpar.attention(q, k, v, method=method, causal=True, group=group, cu_seqlens=cu,
-                               check_ranks=check_ranks, **opts)
+                               check_ranks=check_ranks, window=window, **opts)
         _expect(out, q.shape, q)
         run.phase = "bwd"
         out.backward(dout)
@@ -162,6 +163,7 @@ _SOFTMAX = {"needs": ("fwd", "bwd"), "host_reads": {"shard": 0, "fwd": 0, "bwd":
 # pattern (ring, zigzag and striped share the executor and the ring transport: zigzag stands for them)
 _CI_PACKED = ("zigzag_ring", "allgather_kv", "token_ring", "lightseq", "ulysses", "usp")
 _CI_SUBGROUPS = ("zigzag_ring", "token_ring", "ulysses", "usp")
+_CI_WINDOW = ("zigzag_ring", "token_ring", "lightseq")  # the K,V, query and helper pairings
 
 
 def softmax_cases() -> list[Case]:
@@ -183,6 +185,12 @@ def softmax_cases() -> list[Case]:
     for m in ("zigzag_ring", "token_ring"):  # a CPU job on a GPU machine: no CUDA stream on its path
         cases.append(Case(m, "dense", "world", softmax_drive(m, False, "world"), ci=False, backend="gloo",
                           **_SOFTMAX))
+    for m in seqpar.METHODS:  # sliding windows: direct sends to both sides, several row ranges per message
+        window = 20 if m == "lightseq" else 6  # lightseq: far enough (3 shards of 8) for its helpers
+        for packed in (False, True):
+            cases.append(Case(m, "packed" if packed else "dense", f"world, window={window}",
+                              softmax_drive(m, packed, "world", window=window),
+                              ci=not packed and m in _CI_WINDOW, **_SOFTMAX))
     for how in ("mesh", "make_usp_groups"):
         cases.append(Case("usp", "dense", f"2x2 {how}", softmax_drive("usp", False, "world", usp=how),
                           ci=how == "mesh", **_SOFTMAX))
