@@ -346,6 +346,7 @@ def build_models(meas: dict, methods: Sequence[str]) -> tuple[ClusterSpec, CostM
     cores = usable_cores() if cpu else (os.cpu_count() or 1)
     fields = {"world_size": world, "ranks_per_node": rpn, "memory_per_rank": float(mem["memory_per_rank"]),
               "cores": float(cores) if cpu else 0.0,
+              # ranks sharing cores cannot run faster than one alone: a measured factor below 1 is noise
               "compute_slowdown_by_ranks": tuple((int(k), max(1.0, float(v)) if cpu else float(v))
                                                  for k, v in meas["core sharing"].items()),
               "measured_links": tuple((g, kind, bw, lat) for (g, kind), (bw, lat) in sorted(links.items())),

@@ -193,7 +193,8 @@ def _start(cfg: TrainConfig) -> _Run:
         apply_context_parallel(model, group=rt.cp_group, method=cfg.cp_method)
     mode = "adaptive" if cfg.adaptive else f"cp={cfg.context_parallel} ({cfg.cp_method}) x dp={rt.dp}"
     log.info(f"seqpar train: {rt.world} rank(s) on {rt.device.type}, {mode}; {sum(p.numel() for p in params):,} "
-             f"parameters; {batch} x {cfg.seq_len} tokens per step; data {files.root} ({len(files.paths)} files)")
+             f"parameters; {batch} x {cfg.seq_len} tokens per step; data {files.root} ({len(files.paths)} files, "
+             f"{run.data.per_epoch} sequences per epoch, its last {run.data.unused} tokens unused)")
     log.event({"event": "start", "config": cfg.to_dict(), "world": rt.world, "packed": True,
                "start_step": result.start_step})
     return run

@@ -23,6 +23,10 @@ from .cost import CostModel
 FORMAT = "seqpar-calibration"
 
 
+#: the keys save_calibration writes (read back: cluster and cost_model; the rest is a record)
+_KEYS = frozenset({"format", "version", "cluster", "cost_model", "measurements", "machine", "versions", "command"})
+
+
 def save_calibration(path: str | Path, cluster: ClusterSpec, cost_model: CostModel, *,
                      measurements: dict | None = None, command: str | None = None) -> None:
     """Write a calibration file (see the module docstring for the layout)."""
@@ -53,6 +57,10 @@ def load_calibration(path: str | Path) -> tuple[ClusterSpec, CostModel]:
     if not isinstance(data, dict) or "cluster" not in data or "cost_model" not in data:
         raise ValueError(f"{source}: expected an object with 'cluster' and 'cost_model' (the output of "
                          f"'seqpar calibrate'); a bare cost model loads with CostModel.load")
+    unknown = sorted(set(data) - _KEYS)
+    if unknown or data.get("version", 1) != 1:
+        raise ValueError(f"{source}: unknown key(s) {unknown} or version {data.get('version')!r}: this seqpar reads "
+                         f"version 1 with keys {', '.join(sorted(_KEYS))}; re-create it with 'seqpar calibrate'")
     cluster = ClusterSpec.from_dict(data["cluster"], source=f"{source}: cluster")
     cost = CostModel.from_dict(data["cost_model"], source=f"{source}: cost_model")
     return cluster, cost

@@ -353,6 +353,12 @@ class CostModel:
             data = data["cost_model"]
         if not isinstance(data, dict) or not isinstance(data.get("methods"), dict):
             raise ValueError(f"{source}: expected an object with a 'methods' object")
+        unknown = sorted(set(data) - {"format", "version", "model", "methods"})
+        if unknown:  # a misspelt key would otherwise be ignored and its values replaced by defaults
+            raise ValueError(f"{source}: unknown key(s) {unknown}; known: format, version, model, methods")
+        if data.get("version", 1) != 1:
+            raise ValueError(f"{source}: version {data['version']!r} is not one this seqpar reads (1); "
+                             "re-create the file with this version")
         model = data.get("model", {})
         if not isinstance(model, dict):
             raise ValueError(f"{source}: 'model' must be an object")
