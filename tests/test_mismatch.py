@@ -167,3 +167,64 @@ def test_without_the_check():
     print("\n".join(f"{m}: {o}" for m, o in bad.items()))
     outcomes = [str(o) for o in bad.values()]
     assert any("returned" in o for o in outcomes) and any("WorkerDied" in o for o in outcomes), bad
+
+
+# ---------------------------------------------------------------- the fingerprint (one process)
+
+
+@pytest.mark.parametrize("entry,module", [("attention", "seqpar.softmax.api"),
+                                          ("linear_attention", "seqpar.linear.api"),
+                                          ("unshard", "seqpar.layouts.shard")])
+def test_the_fingerprint_holds_every_parameter(monkeypatch, entry, module):
+    """Every parameter of the entry point is compared across ranks (an option added later too: the
+    entry point hands its locals() to the fingerprint), except those that never shape communication."""
+    import importlib
+    import inspect
+
+    from seqpar.comm.fingerprint import GRAD_FIELD, LOCAL_ONLY
+
+    seen = {}
+
+    def capture(infos, name, fields, prepare, **kwargs):
+        seen.update(fields)
+        return prepare()
+
+    monkeypatch.setattr(importlib.import_module(module), "agreed", capture)
+    x = torch.randn(1, 4, 2, 8)
+    if entry == "linear_attention":
+        seqpar.linear_attention(x, x, x)
+    elif entry == "attention":
+        seqpar.attention(x, x, x)
+    else:
+        seqpar.unshard(x)
+    params = set(inspect.signature(getattr(seqpar, entry)).parameters) - LOCAL_ONLY
+    assert set(seen) - {GRAD_FIELD} >= params and not set(seen) & LOCAL_ONLY, sorted(seen)
+
+
+def test_new_options_and_groups_are_described():
+    from seqpar.comm.fingerprint import call_fields, field_digest
+
+    x = torch.zeros(1, 4, 2, 8)
+    base = {"q": x, "window": (128, 0), "sinks": 4, "stats": seqpar.CommStats(), "check_ranks": None}
+    fields = call_fields(base)
+    assert fields["window"] == "(128, 0)" and fields["sinks"] == "4" and "stats" not in fields
+    assert fields["q"] == "shape (1, 4, 2, 8); dtype torch.float32; device cpu"
+    assert field_digest("e", fields) != field_digest("e", call_fields({**base, "window": (64, 0)}))
+    assert call_fields({"cu_seqlens": [0, 3, 8]})["cu_seqlens"] == call_fields(
+        {"cu_seqlens": torch.tensor([0, 3, 8], dtype=torch.int32)})["cu_seqlens"]  # a list or a tensor
+
+
+def test_the_check_travels_on_the_cpu_when_the_group_takes_cpu_tensors():
+    """gloo, or a group created with backend="cpu:gloo,cuda:nccl", carries the check on the CPU (no
+    device synchronisation); an NCCL-only group on the inputs' device."""
+    from seqpar.comm import GroupInfo
+    from seqpar.comm.fingerprint import check_device
+
+    class Group:  # what a ProcessGroup reports about the devices its backends serve
+        def __init__(self, *types):
+            self._device_types = [torch.device(t) for t in types]
+
+    both = GroupInfo(Group("cpu", "cuda"), 0, 2, (0, 1))
+    nccl = GroupInfo(Group("cuda"), 0, 2, (0, 1))
+    assert check_device(both, torch.device("cuda", 0)).type == "cpu"
+    assert check_device(nccl, torch.device("cuda", 1)) == torch.device("cuda", 1)

@@ -61,6 +61,7 @@ from seqpar.comm.launch import (
     progress_track,
     usable_cores,
 )
+from seqpar.comm.collectives import peer_errors
 from seqpar.comm.pool import LocalRanks
 from seqpar.methods import METHODS
 from seqpar.schedulers.calibration import save_calibration
@@ -134,7 +135,8 @@ def _runner(nproc: int, ranks: LocalRanks):
 
         def run(fn, *args):  # rank 0's result, on every rank (the next phases and the models need it)
             box = [fn(*args)]
-            dist.broadcast_object_list(box, src=0)
+            with peer_errors(name="calibration broadcast"):
+                dist.broadcast_object_list(box, src=0)
             return box[0]
         return run, dist.get_world_size(), dist.get_rank() == 0
     return (lambda fn, *args: ranks.run(fn, nproc, *args, timeout=3600)[0]), nproc, True

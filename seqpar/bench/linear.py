@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..comm.collectives import peer_errors
 from ..comm.groups import group_info
 from ..comm.stats import CommStats
 from ..linear import linear_attention
@@ -64,7 +65,8 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
     def barrier():
         sync()
         if not info.single:
-            dist.barrier(group=info.group)
+            with peer_errors(info, "bench barrier"):
+                dist.barrier(group=info.group)
 
     def call(st=None):
         c0, t0 = time.process_time(), time.perf_counter()
@@ -104,6 +106,7 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
     res["total_s"] = res["fwd_s"] + res["bwd_s"]
     worst = torch.tensor([res["fwd_s"], res["bwd_s"], res["total_s"]], dtype=torch.float64)
     if not info.single:
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)
+        with peer_errors(info, "bench all-reduce"):
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)
     res["fwd_s_max"], res["bwd_s_max"], res["total_s_max"] = worst.tolist()
     return res
