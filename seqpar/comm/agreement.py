@@ -8,7 +8,7 @@ garbage, NCCL hangs or reads the wrong bytes. So by default (``check_ranks=None`
 point first checks that the call agrees on every rank, before any other communication:
 
 - the call's fields (:func:`seqpar.comm.fingerprint.call_fields`: every argument) are hashed and
-  one all-gather of 32 bytes per rank compares the digests and each rank's local validation verdict
+  one exchange of 32 bytes per rank compares the digests and each rank's local validation verdict
   (:func:`~seqpar.comm.fingerprint.quick_agreement`, on the CPU when the group takes CPU tensors);
 - only when that finds a difference, the full fingerprints are gathered to say who passed what:
   a ``ValueError`` raised on some ranks only is re-raised on those ranks and every other rank raises
@@ -16,7 +16,7 @@ point first checks that the call agrees on every rank, before any other communic
   raises the same ``ValueError``, e.g. ``rank 2 passed q of shape (1, 64, 8, 16) but rank 0 passed
   (1, 32, 8, 16)``.
 
-Cost: one all-gather of 32 bytes per rank per call (two for usp on a 2-D mesh or a pair of groups);
+Cost: one exchange of 32 bytes per rank per call (two for usp on a 2-D mesh or a pair of groups);
 measured in docs/reliability.md.
 """
 

@@ -119,7 +119,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             a 2-D mesh, a ``(ulysses_group, ring_group)`` pair or ``make_usp_groups(...)`` fix
             it) and the ring-family method across the ring axis (default ``"zigzag_ring"``).
             Pass the same ``group``/``ulysses_degree``/``ring_method`` to ``seqpar.shard``.
-        check_ranks: check first, with one all-gather of 32 bytes per rank (on the CPU when the
+        check_ranks: check first, with one exchange of 32 bytes per rank (on the CPU when the
             group takes CPU tensors), that every rank of the group passed the same arguments: every
             argument but ``stats`` (shapes, dtypes, method, causal, cu_seqlens, group members, every
             option; :mod:`seqpar.comm.agreement`). On a mismatch, or a ValueError on some ranks only,
@@ -229,7 +229,7 @@ class SequenceParallelAttention(torch.nn.Module):
     """Module form of :func:`attention`: holds the group and options, takes ``(q, k, v)``.
 
     ``forward(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], cu_seqlens=None) -> [B, T_local, Hq, D]``.
-    ``check_ranks`` as in :func:`attention` (None: the ``SEQPAR_CHECK_RANKS`` environment variable).
+    ``check_ranks`` as in :func:`attention` (None: on, unless ``SEQPAR_CHECK_RANKS=0``).
     """
 
     def __init__(self, *, group=None, method: str = "zigzag_ring", causal: bool = False,
