@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..comm.collectives import peer_errors
+from ..comm.collectives import all_reduce_, peer_errors
 from ..comm.groups import group_info
 from ..comm.stats import CommStats
 from ..linear import linear_attention
@@ -105,8 +105,6 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
            "bytes_by_primitive": one.as_dict()}
     res["total_s"] = res["fwd_s"] + res["bwd_s"]
     worst = torch.tensor([res["fwd_s"], res["bwd_s"], res["total_s"]], dtype=torch.float64)
-    if not info.single:
-        with peer_errors(info, "bench all-reduce"):
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)
+    all_reduce_(info, worst, op=dist.ReduceOp.MAX, name="bench all-reduce")
     res["fwd_s_max"], res["bwd_s_max"], res["total_s_max"] = worst.tolist()
     return res

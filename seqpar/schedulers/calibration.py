@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .._version import __version__
-from .cluster import ClusterSpec
+from .cluster import ClusterSpec, check_file_keys
 from .cost import CostModel
 
 FORMAT = "seqpar-calibration"
@@ -57,10 +57,7 @@ def load_calibration(path: str | Path) -> tuple[ClusterSpec, CostModel]:
     if not isinstance(data, dict) or "cluster" not in data or "cost_model" not in data:
         raise ValueError(f"{source}: expected an object with 'cluster' and 'cost_model' (the output of "
                          f"'seqpar calibrate'); a bare cost model loads with CostModel.load")
-    unknown = sorted(set(data) - _KEYS)
-    if unknown or data.get("version", 1) != 1:
-        raise ValueError(f"{source}: unknown key(s) {unknown} or version {data.get('version')!r}: this seqpar reads "
-                         f"version 1 with keys {', '.join(sorted(_KEYS))}; re-create it with 'seqpar calibrate'")
+    check_file_keys(data, _KEYS, source)
     cluster = ClusterSpec.from_dict(data["cluster"], source=f"{source}: cluster")
     cost = CostModel.from_dict(data["cost_model"], source=f"{source}: cost_model")
     return cluster, cost
