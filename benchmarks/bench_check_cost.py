@@ -169,8 +169,8 @@ def main(argv=None) -> int:
     try:
         for _ in range(args.repeats):
             r = pool.run(_step_times, (args.seq_len, args.heads, args.head_dim, args.steps), timeout=3600)[0]
-            for key in steps:
-                steps[key].append(statistics.median(r[key]))
+            for key, times in steps.items():
+                times.append(statistics.median(r[key]))
         lat = {2: [pool.run(_latencies, (args.calls,), timeout=3600)[0] for _ in range(args.repeats)]}
     finally:
         pool.close()
@@ -204,9 +204,9 @@ def write(result: dict, out: Path) -> None:
     lines = [
         "# Cost of the default rank agreement check",
         "",
-        f"`python benchmarks/bench_check_cost.py` on {result['machine']['cpus']} CPU cores "
-        f"(load {result['machine']['load_before'][0]:.1f} before, {result['machine']['load_after'][0]:.1f} after), "
-        f"torch {result['machine']['torch']}; medians of {c['repeats']} repeats.",
+        (f"`python benchmarks/bench_check_cost.py` on {result['machine']['cpus']} CPU cores "
+         f"(load {result['machine']['load_before'][0]:.1f} before, {result['machine']['load_after'][0]:.1f} after), "
+         f"torch {result['machine']['torch']}; medians of {c['repeats']} repeats."),
         "",
         f"## Step: {c['method']}, causal, N={c['N']}, T={c['T']}, {c['heads']} heads, D={c['D']}, fwd+bwd, CPU gloo",
         "",
@@ -215,24 +215,24 @@ def write(result: dict, out: Path) -> None:
         f"| check on (default) | {s['check']:.3f} |",
         f"| check_ranks=False | {s['no_check']:.3f} |",
         "",
-        f"Per-call latency of the check at N=2: {lat[2]['default']:.0f} us = "
-        f"**{100 * result['overhead_of_step']:.4f}% of the step** (target <= 1%). The two step times differ by "
-        f"{100 * (s['check'] / s['no_check'] - 1):+.2f}%, within the run-to-run noise of a shared machine.",
+        (f"Per-call latency of the check at N=2: {lat[2]['default']:.0f} us = "
+         f"**{100 * result['overhead_of_step']:.4f}% of the step** (target <= 1%). The two step times differ by "
+         f"{100 * (s['check'] / s['no_check'] - 1):+.2f}%, within the run-to-run noise of a shared machine."),
         "",
         "## Per-call latency of the alternatives (us, per call, on every rank)",
         "",
         "Mean over the calls (in brackets: the 10th percentile, the calls that found the cores free).",
         "",
-        "| N | default (32 B digest, point to point) | digest via gloo all-gather | full 8 KB fingerprint "
-        "all-gathered + decoded | 32 B header with both neighbours per ring step (2N steps) | host work alone "
-        "(fields + digest, no message) |",
+        ("| N | default (32 B digest, point to point) | digest via gloo all-gather | full 8 KB fingerprint "
+         "all-gathered + decoded | 32 B header with both neighbours per ring step (2N steps) | host work alone "
+         "(fields + digest, no message) |"),
         "|---|---|---|---|---|---|",
     ]
     for n, r in sorted(lat.items()):
         lines.append("| " + " | ".join([str(n)] + [f"{r[k]:.0f} ({r[k + '_p10']:.0f})" for k in (
             "default", "digest_allgather", "full_fingerprint", "header_per_step", "fields_only")]) + " |")
-    lines += ["", f"N > {result['machine']['cpus']} ranks share {result['machine']['cpus']} cores: those rows are "
-              "upper bounds (each message waits for its receiver to be scheduled)."]
+    lines += ["", (f"N > {result['machine']['cpus']} ranks share {result['machine']['cpus']} cores: those rows are "
+                   "upper bounds (each message waits for its receiver to be scheduled).")]
     lines += ["", NCCL_ESTIMATE.format(ms=ESTIMATE_MS_PER_CALL)]
     (out / "check_cost.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

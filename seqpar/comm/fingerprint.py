@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+
 import torch
 import torch.distributed as dist
 
@@ -62,7 +63,7 @@ def offsets_fingerprint(cu_seqlens) -> str:
     values = getattr(cu_seqlens, "cu_seqlens", cu_seqlens)  # a PackedLayout carries its offsets
     try:
         host = [int(x) for x in (values.tolist() if isinstance(values, torch.Tensor) else values)]
-    except Exception:  # invalid offsets: the local check reports them; compare their text here
+    except Exception:  # noqa: BLE001 - invalid offsets: the local check reports them; compare their text
         return clip(repr(values))
     digest = hashlib.blake2b(repr(host).encode(), digest_size=6).hexdigest()
     return f"{len(host) - 1} documents, {host[-1] if host else 0} tokens, hash {digest}"
