@@ -74,14 +74,17 @@ def device_guard(t: torch.Tensor):
 # Chosen from ptxas's reports for sm_90 / sm_80 (benchmarks/results/gpu_static/triton_aot_full.md):
 # every half-precision configuration up to D = 128 runs without spills on sm_90. The dk/dv kernel
 # holds K, V and the fp32 dK, dV of BLOCK_N keys in registers: at D = 128 only BLOCK_N = 32 ran
-# without spills on sm_90 (32x128 with 4 warps spilled 3.6 KB per thread there and 25 KB on sm_80).
+# without spills on sm_90 (32x128 with 4 warps spilled 3.6 KB per thread there and 25 KB on sm_80),
+# and 64x32 spilled 24-44 B at D = 32. The 128x128 forward tile sits at 255 registers from D = 96 on
+# (72 B of spills with a sliding window at D = 128), so it serves D <= 64 only.
 # fp32 uses IEEE fp32 dots (no tensor cores) and needs small tiles and 8 warps: 64x64 spilled
 # 25-57 KB per thread, and at D = 256 even 32x32 with 4 warps spilled 36-57 KB on sm_90; these spill
 # at most ~0.5 KB. fp16 / bf16 fit sm_86 / sm_89 (101,376 B) up to D = 256, fp32 up to D = 128 (and
 # the D = 256 forward).
 CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int, int, int]]]] = {
     "fwd": {
-        ("half", 128): [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 8, 4), (64, 32, 4, 2)],
+        ("half", 64): [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 8, 4), (64, 32, 4, 2)],
+        ("half", 128): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 4), (64, 32, 4, 2)],
         ("half", 256): [(128, 32, 8, 4), (64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
         ("fp32", 64): [(64, 32, 8, 2), (32, 32, 4, 2)],
         ("fp32", 128): [(32, 16, 8, 2), (32, 32, 8, 2)],
@@ -95,7 +98,7 @@ CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int, int, int]]]] = {
         ("fp32", 256): [(32, 32, 8, 2), (16, 32, 4, 2)],
     },
     "dkdv": {
-        ("half", 64): [(32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 3), (64, 32, 4, 3), (32, 32, 4, 3)],
+        ("half", 64): [(32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 3), (32, 32, 4, 3)],
         ("half", 128): [(64, 32, 8, 3), (32, 32, 8, 3), (32, 32, 4, 3)],
         ("half", 256): [(64, 32, 8, 3), (32, 32, 8, 3), (32, 32, 8, 2)],
         ("fp32", 64): [(32, 32, 8, 2), (16, 32, 4, 2)],
