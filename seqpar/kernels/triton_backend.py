@@ -6,7 +6,9 @@ Capabilities: CUDA, fp16 / bf16 / fp32, head dims 1..256 (no multiple-of-8
 rule: the kernel pads D itself) where a kernel configuration fits the
 device's shared memory (see :mod:`seqpar.kernels.triton_target`), GQA native, backward from ``delta`` alone
 (no ``out`` needed), causal in any alignment (dispatch only ever hands it
-top-left causal). Priority 35: above ``torch_cuda`` (30), below
+top-left causal), window bands natively (``caps.window``: a reduced
+:class:`~seqpar.kernels.masks.Band` ``(lo, hi)`` becomes the kernel's causal
+offset ``hi`` and ``window_left = hi - lo``, or a lower bound alone). Priority 35: above ``torch_cuda`` (30), below
 ``flash_attn`` (40).
 
 CPU tensors: refused, except under ``TRITON_INTERPRET=1`` (Triton's slow
@@ -23,6 +25,7 @@ import os
 import torch
 
 from .base import Backend, Capabilities
+from .masks import Band
 
 _DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
@@ -41,6 +44,7 @@ def _caps(devices: frozenset[str]) -> Capabilities:
         gqa=True,
         needs_out=False,  # delta = rowsum(dout * out) is enough
         priority=35,
+        window=True,  # the kernels' HAS_WINDOW masks: one launch per band, no pieces
     )
 
 
@@ -84,17 +88,33 @@ class TritonBackend(Backend):
 
         # Includes "no configuration fits the shared memory of sm_XX", per direction: a case whose
         # backward does not fit the device may still run its forward here.
-        return refusal(q, k, v, mask="causal" if plan.causal else "none", backward=for_backward)
+        return refusal(q, k, v, **mask_geometry(plan.causal, plan.window), backward=for_backward)
 
-    def forward(self, q, k, v, *, scale: float, causal: bool):
+    def forward(self, q, k, v, *, scale: float, causal: bool, window: Band | None = None):
         from .triton_attention import triton_attention_forward
 
-        return triton_attention_forward(q, k, v, scale=scale, mask="causal" if causal else "none")
+        return triton_attention_forward(q, k, v, scale=scale, **mask_geometry(causal, window))
 
-    def backward(self, dout, q, k, v, out, lse, *, scale: float, causal: bool, delta):
+    def backward(self, dout, q, k, v, out, lse, *, scale: float, causal: bool, delta,
+                 window: Band | None = None):
         # lse may carry +inf for rows that saw no key anywhere: the kernel
         # treats +inf and -inf alike (probabilities exactly 0).
         from .triton_attention import triton_attention_backward
 
-        return triton_attention_backward(dout, q, k, v, out, lse, scale=scale,
-                                         mask="causal" if causal else "none", delta=delta)
+        return triton_attention_backward(dout, q, k, v, out, lse, scale=scale, delta=delta,
+                                         **mask_geometry(causal, window))
+
+
+def mask_geometry(causal: bool, window: Band | None) -> dict:
+    """The Triton kernels' ``mask`` / ``causal_offset`` / ``window_left`` (top-left) for a reduced
+    block: plain ``none`` / ``causal``, or a band ``lo <= j - i <= hi``. The kernels hide keys
+    ``j > i + causal_offset`` (causal) and ``j < i + causal_offset - window_left`` (window), so a
+    band with both edges is ``causal`` at offset ``hi`` with ``window_left = hi - lo``, and a band
+    with a lower edge only is ``none`` at offset ``lo`` with ``window_left = 0``."""
+    if window is None:
+        return {"mask": "causal" if causal else "none"}
+    if window.lo is None:
+        return {"mask": "causal", "causal_offset": window.hi} if window.hi is not None else {"mask": "none"}
+    if window.hi is None:
+        return {"mask": "none", "causal_offset": window.lo, "window_left": 0}
+    return {"mask": "causal", "causal_offset": window.hi, "window_left": window.hi - window.lo}
