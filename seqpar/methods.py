@@ -15,7 +15,10 @@ A :class:`Method` says what the rest of the library needs to know about a method
   ``"alltoall"``; linear: ``"chain"`` or ``"allgather"``).
 - capabilities: ``causal_balanced`` (every rank gets the same causal work; checked against the
   schedules by the tests), ``packed`` (packed variable-length input), ``adaptive`` (runs on the
-  1-D groups of ``seqpar train --adaptive`` for any head count).
+  1-D groups of ``seqpar train --adaptive`` for any head count), ``sinks`` (attention sinks,
+  ``seqpar.attention(sinks=)``), ``head_sharded`` (query heads are split over the ranks of the
+  Ulysses axis: any head count of at least that many ranks, as even as :func:`head_shards` makes
+  it, at a compute imbalance of :func:`head_imbalance`).
 - cost traits, read by :mod:`seqpar.schedulers.cost`: ``comm`` (the communication structure of
   its cost model), ``buffers`` (the per-token buffers a rank holds besides activations) and
   ``preference`` (the planner's tie-break: of two methods with equal modelled cost, the lower wins).
@@ -53,6 +56,8 @@ class Method:
     causal_balanced: bool = True
     packed: bool = True
     adaptive: bool = False
+    sinks: bool = True
+    head_sharded: bool = False
 
     def __post_init__(self) -> None:
         for field, value, allowed in (("family", self.family, FAMILIES), ("layout", self.layout, LAYOUTS),
@@ -96,20 +101,21 @@ DECLARED: tuple[Method, ...] = (
            causal_balanced=False,
            summary="contiguous causal, balanced by helper ranks that compute for the busiest (DistAttn)."),
     Method("ulysses", family="ulysses", layout="contiguous", transport="alltoall", plan=None, comm="alltoall",
-           buffers="head_shards", preference=1,
+           buffers="head_shards", preference=1, head_sharded=True,
            summary="all-to-all to head shards, full local attention, all-to-all back; KV heads sent only to "
                    "the ranks that use them (GQA)."),
     Method("usp", family="usp", layout="usp", transport="alltoall", plan=None, comm="alltoall_ring",
-           buffers="head_shards", preference=2,
+           buffers="head_shards", preference=2, head_sharded=True,
            summary="2-D: Ulysses inside one mesh axis, any ring-family method across the other "
                    "(ring_method=, ulysses_degree=)."),
     Method("zeco", family="linear", layout="contiguous", transport="chain", plan="zeco",
-           comm="state_pipelined_chain", buffers="none", preference=8,
+           comm="state_pipelined_chain", buffers="none", preference=8, sinks=False,
            summary="linear attention, All-Scan of one state per rank."),
     Method("lasp2", family="linear", layout="contiguous", transport="allgather", plan="lasp2",
-           comm="state_allgather", buffers="none", preference=9, summary="linear attention, all-gather of states."),
+           comm="state_allgather", buffers="none", preference=9, sinks=False,
+           summary="linear attention, all-gather of states."),
     Method("lasp1", family="linear", layout="contiguous", transport="chain", plan="lasp1", comm="state_chain",
-           buffers="none", preference=10, summary="linear attention, unpipelined state chain."),
+           buffers="none", preference=10, sinks=False, summary="linear attention, unpipelined state chain."),
 )
 
 #: softmax methods (``seqpar.METHODS``)
@@ -157,6 +163,27 @@ def ring_method(name: str | None) -> Method:
     return method(DEFAULT_RING_METHOD if name is None else name, argument="ring_method", kind="ring")
 
 
+def head_shards(hq: int, degree: int, what: str | None = None) -> tuple[int, ...]:
+    """Query heads per member of a head-sharded method's Ulysses axis of ``degree`` ranks: as even as
+    possible, the first ``hq % degree`` members one more (9 heads on 2 ranks: 5 + 4). ValueError
+    naming ``q``, ``what`` (the degree's origin) and the alternatives when a member would get none
+    (more ranks than heads)."""
+    if degree > hq:
+        fits = [u for u in range(1, degree + 1) if degree % u == 0 and u <= hq]
+        raise ValueError(
+            f"q: Hq={hq} query heads cannot be split over {what or f'{degree} ranks'} (every rank needs at "
+            f"least one query head): use method='usp' with a smaller ulysses_degree (one of {fits}, e.g. "
+            f"ulysses_degree={fits[-1]}), or a ring-family method such as 'zigzag_ring'")
+    base, extra = divmod(hq, degree)
+    return tuple(base + (m < extra) for m in range(degree))
+
+
+def head_imbalance(hq: int, degree: int) -> float:
+    """Most query heads on one rank over the mean (1.0 when ``degree`` divides ``hq``; 5/4.5 = 1.11
+    for 9 heads on 2 ranks): the attention compute of the slowest member relative to an even split."""
+    return max(head_shards(hq, degree)) * degree / hq
+
+
 def check_usp_options(name, ulysses_degree, ring_method_name) -> None:
     """ValueError when a usp-only option (``ulysses_degree``, ``ring_method``) is given to another method."""
     if name != "usp":
@@ -167,4 +194,4 @@ def check_usp_options(name, ulysses_degree, ring_method_name) -> None:
 
 
 __all__ = ["ADAPTIVE_METHODS", "BY_PREFERENCE", "DEFAULT_RING_METHOD", "check_usp_options", "ring_method", "ALL_METHODS", "BUFFER_KINDS", "COMM_KINDS", "DECLARED", "FAMILIES", "LAYOUTS",
-           "LINEAR_METHODS", "METHODS", "Method", "RING_METHODS", "method", "names"]
+           "LINEAR_METHODS", "METHODS", "Method", "RING_METHODS", "head_imbalance", "head_shards", "method", "names"]

@@ -19,20 +19,25 @@ from ..comm.agreement import (
 from ..comm.usp_groups import describe_usp
 from ..kernels import available_backends, check_qkv, select_backend
 from ..layouts import PackedLayout, check_cu_seqlens, placement
-from ..methods import Method, check_usp_options
+from ..methods import Method, check_usp_options, names
 from ..methods import method as declared
 from .executor import RingAttention, RingConfig
 from .packed import packed_schedule
 from .registry import dense_plan
+from .sinks import check_sinks
 from .ulysses import run_ulysses
 from .usp import run_usp
 
 _GRAD_COMM = {None: None, "fp32": torch.float32, "float32": torch.float32, "input": "input"}
 
 
-def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, grad_comm_dtype, info):
+def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, grad_comm_dtype, info, sinks=None):
     spec = declared(method, kind="softmax")
     check_qkv(q, k, v)
+    check_sinks(sinks, q)
+    if sinks is not None and not spec.sinks:
+        raise ValueError(f"sinks: method={method!r} does not support attention sinks; use one of "
+                         f"{', '.join(m for m in names('softmax') if declared(m).sinks)}")
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected True or False, got {causal!r}")
     if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0
@@ -91,7 +96,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
               causal: bool = False, softmax_scale: float | None = None, cu_seqlens=None,
               backend: str | None = None, stats: CommStats | None = None,
               grad_comm_dtype: str | None = None, ulysses_degree: int | None = None,
-              ring_method: str | None = None, check_ranks: bool | None = None) -> torch.Tensor:
+              ring_method: str | None = None, check_ranks: bool | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence split across the ranks of ``group``.
 
     Shapes (N = ranks in ``group``, ``T_local = T_global / N``):
@@ -131,6 +137,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             only, every rank raises the same ValueError naming the disagreeing rank(s) and argument
             instead of hanging. None (default) = the environment variable ``SEQPAR_CHECK_RANKS=1``
             (read at each call). With it on, the cu_seqlens comparison is part of that one gather.
+        sinks: attention sinks (gpt-oss): a float32 ``[Hq]`` tensor, usually a parameter; head h's
+            softmax denominator gets ``exp(sinks[h])`` with no value attached (:mod:`.sinks`).
+            Every method; applied after the merge of all steps (no extra communication). Its
+            gradient on each rank is that rank's share: sum it over the group (as for every
+            parameter under context parallelism) for the gradient of the whole sequence.
 
     Raises ``ValueError`` naming the argument, on every rank and before any communication, for bad
     shapes, dtypes, method, backend or lengths. Raises :class:`seqpar.PeerError` when a peer rank
@@ -138,7 +149,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     """
     opts = dict(group=group, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                 backend=backend, stats=stats, grad_comm_dtype=grad_comm_dtype, ulysses_degree=ulysses_degree,
-                ring_method=ring_method)
+                ring_method=ring_method, sinks=sinks)
     if not check_ranks_enabled(check_ranks):
         call = _prepare(q, k, v, same_offsets_check=True, **opts)
     else:
@@ -150,7 +161,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
 
 
 def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
-             ulysses_degree, ring_method, same_offsets_check: bool) -> "CallSpec":
+             ulysses_degree, ring_method, same_offsets_check: bool, sinks=None) -> "CallSpec":
     """Every local check of a call, and its CallSpec. Communicates only for ``same_offsets_check``
     (packed input: the cu_seqlens fingerprint all-gather of :func:`_check_same`)."""
     check_usp_options(method, ulysses_degree, ring_method)
@@ -165,6 +176,7 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
         # tensors against them: every rank that reaches a ValueError reaches the same one
         declared(method, kind="softmax")
         check_qkv(q, k, v)
+        check_sinks(sinks, q)  # before the offsets gather below
         if not isinstance(cu_seqlens, PackedLayout):
             host = check_cu_seqlens(cu_seqlens, None)
             if same_offsets_check:
@@ -172,18 +184,18 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
             cu_seqlens = host
         packed = _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method)
     spec = _validate(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                     backend=backend, grad_comm_dtype=grad_comm_dtype, info=info)
+                     backend=backend, grad_comm_dtype=grad_comm_dtype, info=info, sinks=sinks)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     wire = _GRAD_COMM[grad_comm_dtype]
     if wire == "input":
         wire = k.dtype
     return CallSpec(info=info, spec=spec, causal=causal, scale=scale, backend=backend, grad_comm_dtype=wire,
                     stats=stats, group=group, ulysses_degree=ulysses_degree, ring_method=ring_method,
-                    channels=channels, packed=packed)
+                    channels=channels, packed=packed, sinks=sinks)
 
 
 def _fingerprint(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
-                 ulysses_degree, ring_method) -> dict[str, object]:
+                 ulysses_degree, ring_method, sinks=None) -> dict[str, object]:
     """What every rank of the group must pass identically (shapes are per rank: T_local agrees too)."""
     tensors = (q, k, v)
     grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
@@ -194,6 +206,7 @@ def _fingerprint(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, b
         "causal": repr(causal), "softmax_scale": repr(softmax_scale), "cu_seqlens": offsets_fingerprint(cu_seqlens),
         "backend": repr(backend), "grad_comm_dtype": repr(grad_comm_dtype), "ulysses_degree": repr(ulysses_degree),
         "ring_method": repr(ring_method), "inputs that need gradients (backward will run)": repr(grad),
+        "sinks of shape": shape_of(sinks),
     }
 
 
@@ -213,6 +226,7 @@ class CallSpec:
     ring_method: str | None = None
     channels: tuple | None = None  # extra communicators of a TokenRingGroups (one per traffic direction)
     packed: PackedLayout | None = None  # packed input: geometry built once (schedules cached on it)
+    sinks: torch.Tensor | None = None  # [Hq] float32 attention sinks (seqpar.softmax.sinks), or None
 
 
 def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
@@ -222,7 +236,7 @@ def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
         plan = dense_plan(call.spec, call.info.rank, call.info.size, q.shape[1], call.causal)
     cfg = RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels)
-    return RingAttention.apply(q, k, v, cfg)
+    return RingAttention.apply(q, k, v, call.sinks, cfg)
 
 
 # family name -> runner(q, k, v, CallSpec) -> out. A new family adds its module and one entry here.
@@ -232,7 +246,8 @@ FAMILIES = {"ring": _run_ring, "ulysses": run_ulysses, "usp": run_usp}
 class SequenceParallelAttention(torch.nn.Module):
     """Module form of :func:`attention`: holds the group and options, takes ``(q, k, v)``.
 
-    ``forward(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], cu_seqlens=None) -> [B, T_local, Hq, D]``.
+    ``forward(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], cu_seqlens=None, stats=None, sinks=None)
+    -> [B, T_local, Hq, D]`` (``sinks``: the layer's ``[Hq]`` parameter, owned by the caller).
     ``check_ranks`` as in :func:`attention` (None: the ``SEQPAR_CHECK_RANKS`` environment variable).
     """
 
@@ -248,11 +263,11 @@ class SequenceParallelAttention(torch.nn.Module):
         self.ulysses_degree, self.ring_method = ulysses_degree, ring_method
         self.check_ranks = check_ranks
 
-    def forward(self, q, k, v, cu_seqlens=None, stats: CommStats | None = None):
+    def forward(self, q, k, v, cu_seqlens=None, stats: CommStats | None = None, sinks=None):
         return attention(q, k, v, group=self.group, method=self.method, causal=self.causal,
                          softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens, backend=self.backend,
                          stats=stats, ulysses_degree=self.ulysses_degree, ring_method=self.ring_method,
-                         check_ranks=self.check_ranks)
+                         check_ranks=self.check_ranks, sinks=sinks)
 
     def extra_repr(self) -> str:
         return f"method={self.method!r}, causal={self.causal}"
