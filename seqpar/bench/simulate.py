@@ -44,6 +44,7 @@ from seqpar.schedulers.cost import (
     attention_factor,
 )
 from seqpar.schedulers.data import parse_lengths
+from seqpar.schedulers.schedule_terms import heads_factor
 
 from .report import write_rows
 
@@ -86,7 +87,8 @@ def simulate(seq_len: int, cluster: ClusterSpec, cost: CostModel, *,
                 rows.append(row)
                 continue
             slow = cl.compute_slowdown()
-            attn = c.alpha1 * attention_factor(m, n, slow) / n * T * T
+            heads = heads_factor(m, n, cost.n_heads, cl.ranks_per_node)
+            attn = c.alpha1 * attention_factor(m, n, slow, heads) / n * T * T
             compute = slow * (c.beta1 + c.alpha2 * T / n) + attn
             step = g.time(T, T * T)
             lin_comm, over, const_comm = cost._comm_terms(m, n, cl)
