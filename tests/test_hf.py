@@ -289,7 +289,8 @@ def test_length_not_fitting_the_layout_says_how_to_pad():
 # ----------------------------------------------------------------------------- per-layer options
 # Each layer's sliding_window / s_aux reaches seqpar.attention as window= / sinks=. The CI runs every
 # model once, dense and packed, at N = 2 or 3 (and gpt-oss's sinks through ulysses with 4 heads on 3
-# ranks: 2 + 1 + 1); SEQPAR_SLOW=1 runs every model at N = 2, 3, 4, dense and packed.
+# ranks: 2 + 1 + 1); SEQPAR_SLOW=1 runs every model at N = 2, 3, 4, dense and packed, and gpt-oss
+# (windows and sinks) with every other method at N = 4.
 
 _HAS_WINDOW = "window" in inspect.signature(seqpar.attention).parameters
 _WINDOWED = ("mistral", "qwen2_window", "gemma3", "gemma2", "gpt_oss")
@@ -321,7 +322,10 @@ def test_per_layer_window_and_sinks_match_single_process(kind, n, packed, method
     _run_layer_case(kind, n, packed, method)
 
 
-SLOW_LAYER_CASES = [_layer_case(kind, n, packed) for kind in _WINDOWED for n in (2, 3, 4) for packed in (False, True)]
+SLOW_LAYER_CASES = [_layer_case(kind, n, packed) for kind in (*_WINDOWED, "gpt_oss_global") for n in (2, 3, 4)
+                    for packed in (False, True)] + \
+    [_layer_case("gpt_oss", 4, packed, method) for method in seqpar.METHODS if method != "zigzag_ring"
+     for packed in (False, True)]
 
 
 @pytest.mark.slow

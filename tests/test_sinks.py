@@ -143,6 +143,24 @@ def test_large_sinks_take_the_whole_row():
     assert high.abs().max() < 1e-20
 
 
+def test_sinks_under_attention_checkpointing():
+    """seqpar.checkpoint replays the recorded (out', lse') of the sink-adjusted forward: the same
+    gradients as without checkpointing."""
+    gen = torch.Generator().manual_seed(1)
+    leaves = [torch.randn(1, 8, h, 16, generator=gen).requires_grad_() for h in (4, 2, 2)]
+    s = torch.randn(4, generator=gen).requires_grad_()
+    dout = torch.randn(1, 8, 4, 16, generator=gen)
+
+    def layer(q, k, v, s):
+        return seqpar.attention(q * 2, k, v, causal=True, sinks=s)
+
+    grads = []
+    for wrap in (layer, lambda *x: seqpar.checkpoint(layer, *x)):
+        grads.append(torch.autograd.grad(wrap(*leaves, s), (*leaves, s), dout))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 BAD = {"shape": lambda hq: torch.zeros(hq + 1), "dtype": lambda hq: torch.zeros(hq, dtype=torch.bfloat16),
@@ -165,3 +183,16 @@ def test_bad_sinks_raise_on_every_rank(kind):
         with pytest.raises(ValueError, match=r"sinks: expected a float32 tensor \[Hq\] = \[4\]") as info:
             run_distributed(_bad, 2, kind, method, packed, timeout=60)
         assert "[0, 1]" in str(info.value)
+
+
+def _sinks_on_rank_0_only():
+    rank, _ = world()
+    x = torch.zeros(1, 6, 4, 8)
+    seqpar.attention(x, x, x, causal=True, sinks=torch.zeros(4) if rank == 0 else None, check_ranks=True)
+
+
+def test_sinks_on_some_ranks_only_are_caught_by_check_ranks():
+    """Sinks on one rank only would not hang (they add no communication) but would be silently
+    wrong; the cross-rank agreement check names them."""
+    with pytest.raises(ValueError, match="sinks"):
+        run_distributed(_sinks_on_rank_0_only, 2, timeout=60)
