@@ -264,6 +264,8 @@ def test_bad_arguments():
         apply_context_parallel(model, method="nope")
     with pytest.raises(ValueError, match="options: unknown backnd"):
         apply_context_parallel(model, backnd="reference")
+    with pytest.raises(ValueError, match="options: unknown sinks.* sets .*sinks"):  # per layer, from s_aux
+        apply_context_parallel(model, sinks=torch.zeros(4))
     with pytest.raises(ValueError, match="group: expected None"):
         apply_context_parallel(model, group="world")
     with pytest.raises(ValueError, match="not a transformers PreTrainedModel|expected a transformers"):

@@ -44,7 +44,7 @@ __all__ = ["IGNORE_INDEX", "ShardedInputs", "apply_context_parallel", "context_p
 IGNORE_INDEX = -100  # the label value transformers' and torch's cross-entropy skip
 
 # seqpar.attention keywords this integration sets itself; the others may be passed as options.
-_BOUND = {"group", "method", "causal", "softmax_scale", "cu_seqlens"}
+_BOUND = {"group", "method", "causal", "softmax_scale", "cu_seqlens", "window", "sinks"}  # window, sinks: per layer
 _PROBE_NAME = "seqpar_probe"
 
 
