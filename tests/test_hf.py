@@ -31,11 +31,14 @@ from seqpar.integrations.hf import (IGNORE_INDEX, apply_context_parallel, contex
 import seqpar  # noqa: E402
 from seqpar.testing import run_distributed  # noqa: E402
 
-# fp32 on both sides; the context-parallel model only changes the order of the softmax sums
-# (blockwise with a running max) and of the gradient sums over ranks, which round at ~1e-7
-# relative per operation. Through two layers and the LM head that stays below ~1e-6 of the
-# largest magnitude; 2e-5 leaves room, while a wrong mask, a lost label or a wrong position gives
-# errors of order 1e-2 or more.
+# Both fp32 models are compared with the same model in float64. The context-parallel model only
+# changes the order of the softmax sums (blockwise with a running max) and of the gradient sums over
+# ranks, which round at ~1e-7 relative per operation: through two layers and the LM head that stays
+# below ~1e-6 of the largest magnitude, and 2e-5 leaves room, while a wrong mask, a lost label or a
+# wrong position gives errors of order 1e-2 or more. A gradient whose terms cancel (gpt-oss's router
+# bias: each token's routing softmax gradient sums to 0) is further from float64 in the
+# single-process fp32 model too (measured 2.0e-5): there the bound is 2x that model's own error
+# (STYLE.md §12), never below 2e-5.
 FP32_TOL = 2e-5
 VOCAB = 96
 WINDOW = 5  # smaller than the sequences and than most documents, larger than a zigzag chunk at N=4
@@ -87,16 +90,39 @@ def _rel(a: torch.Tensor, r: torch.Tensor) -> float:
     return float((a.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30))
 
 
-def _compare(ref, model, ref_logits, ref_loss, logits, loss, batch):
-    """Errors of logits, loss and every summed gradient against the reference."""
+def _references(ref, ids, cu=None):
+    """The unmodified fp32 model ``ref`` and its float64 copy on the whole batch (with ``cu``: every
+    document on its own), after backward: ``[(model, logits, loss), (model64, logits, loss)]``."""
+    ref64 = copy.deepcopy(ref).double()
+    ref64.config._experts_implementation = "eager"  # gpt-oss: torch's grouped_mm has no float64
+    bounds = [(0, ids.shape[1])] if cu is None else list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    targets = shift_labels(ids, cu)
+    out = []
+    for model in (ref, ref64):
+        logits = torch.cat([model(input_ids=ids[:, a:b], use_cache=False).logits for a, b in bounds], dim=1)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+        loss.backward()
+        out.append((model, logits, loss))
+    return out
+
+
+def _compare(refs, model, logits, loss, batch):
+    """``(error, bound)`` of logits, loss and every summed gradient: the error against the float64
+    model, the bound max(FP32_TOL, 2x the fp32 single-process model's error) (see FP32_TOL)."""
+    (ref, ref_logits, ref_loss), (ref64, logits64, loss64) = refs
     valid = batch.token_index >= 0
-    errs = {"logits": _rel(logits[:, valid], ref_logits[:, batch.token_index[valid]]),
-            "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
-    for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
+    rows = batch.token_index[valid]
+
+    def pair(got, fp32, f64):
+        return _rel(got, f64), max(FP32_TOL, 2 * _rel(fp32, f64))
+
+    errs = {"logits": pair(logits[:, valid], ref_logits[:, rows], logits64[:, rows]),
+            "loss": pair(loss.reshape(1), ref_loss.reshape(1), loss64.reshape(1))}
+    for (name, p), p_ref, p64 in zip(model.named_parameters(), ref.parameters(), ref64.parameters()):
         grad = p.grad.clone()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(grad)  # each rank holds its share of the gradient
-        errs[name] = _rel(grad, p_ref.grad)
+        errs[name] = pair(grad, p_ref.grad, p64.grad)
     return errs
 
 
@@ -104,24 +130,21 @@ def _cp_matches_single(kind, method, B, T, seed):
     ref = _build(kind, seed)
     model = apply_context_parallel(copy.deepcopy(ref), method=method)
     ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
-    ref_logits = ref(input_ids=ids, use_cache=False).logits
-    targets = shift_labels(ids)
-    ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE_INDEX)
-    ref_loss.backward()
+    refs = _references(ref, ids)
 
     batch = shard_inputs(ids, method=method)
     logits = model(**batch.model_kwargs()).logits
     loss = context_parallel_loss(logits, batch.labels)
     loss.backward()
-    return _compare(ref, model, ref_logits, ref_loss, logits, loss, batch), batch.token_index.tolist()
+    return _compare(refs, model, logits, loss, batch), batch.token_index.tolist()
 
 
 def _check(results, T):
     owned = sorted(i for _, index in results for i in index if i >= 0)
     assert owned == list(range(T)), "the ranks' shards must hold every token exactly once"
     for rank, (errs, _) in enumerate(results):
-        for name, err in errs.items():
-            assert err <= FP32_TOL, f"rank {rank} {name}: relative error {err:.2e} > {FP32_TOL:.0e}"
+        for name, (err, bound) in errs.items():
+            assert err <= bound, f"rank {rank} {name}: relative error {err:.2e} > {bound:.1e}"
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -141,18 +164,13 @@ def _packed_matches_per_document(kind, method, lengths, seed):
     T = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(seed))
-    # reference: every document on its own through the unmodified model
-    ref_logits = torch.cat([ref(input_ids=ids[:, a:b], use_cache=False).logits
-                            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
-    targets = shift_labels(ids, cu)
-    ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE_INDEX)
-    ref_loss.backward()
+    refs = _references(ref, ids, cu)  # every document on its own through the unmodified model
 
     batch = shard_inputs(ids, cu_seqlens=cu, method=method)
     logits = model(**batch.model_kwargs()).logits
     loss = context_parallel_loss(logits, batch.labels)
     loss.backward()
-    return _compare(ref, model, ref_logits, ref_loss, logits, loss, batch), batch.token_index.tolist()
+    return _compare(refs, model, logits, loss, batch), batch.token_index.tolist()
 
 
 @pytest.mark.parametrize("n,method", [(2, "zigzag_ring"), (4, "zigzag_ring"), (4, "ring"), (4, "striped_ring")])
@@ -202,8 +220,8 @@ def test_packed_plumbing_with_a_single_device_stand_in(monkeypatch):
     errs, index = _packed_matches_per_document("llama", "zigzag_ring", [5, 1, 11, 7, 2], 3)
     assert index[-3:] == [-1, -1, -1] and sorted(index[:-3]) == list(range(26))
     assert stand_in.calls == 2  # one per decoder layer
-    for name, err in errs.items():
-        assert err <= FP32_TOL, f"{name}: relative error {err:.2e}"
+    for name, (err, bound) in errs.items():
+        assert err <= bound, f"{name}: relative error {err:.2e} > {bound:.1e}"
 
 
 
