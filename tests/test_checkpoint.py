@@ -9,16 +9,17 @@ checkpointing runs every attention forward (and its communication) twice per ste
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_ckpt
+from dist_utils import world
 
 import seqpar
 from seqpar.softmax import executor as ring_module
 from seqpar.testing import run_distributed
-
-from dist_utils import world
 
 
 class Block(torch.nn.Module):
@@ -88,11 +89,22 @@ def train_step(mode, method, layers=3, B=2, T_per_rank=6, dim=32, hq=4, hkv=2):
     finally:
         ring_module.ring_forward = real_forward
     grads = [x.grad] + [p.grad for blk in blocks for p in blk.parameters()]
-    return {"calls": len(calls), "fwd": stats.total("fwd"), "bwd": stats.total("bwd"), "grads": grads}
+    return {"calls": len(calls), "fwd": stats.total("fwd"), "bwd": stats.total("bwd"), "grads": grads,
+            "sent": stats.as_dict()}
 
 
 def three_ways(method):
-    return {mode: train_step(mode, method) for mode in ("none", "layer", "remat")}
+    # usp: Ulysses degree 2 (gcd(N, ranks per node)), ring degree 2; the pooled worker keeps its environment
+    previous = os.environ.get("LOCAL_WORLD_SIZE")
+    if method == "usp":
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        return {mode: train_step(mode, method) for mode in ("none", "layer", "remat")}
+    finally:
+        if previous is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = previous
 
 
 @pytest.mark.parametrize("method,n", [("lightseq", 3), ("token_ring", 2), ("zigzag_ring", 4)])
@@ -107,6 +119,21 @@ def test_remat_runs_attention_forward_once(method, n):
         assert per_call > 0
         assert layer["fwd"] == 2 * layers * per_call and remat["fwd"] == layers * per_call
         assert layer["bwd"] == remat["bwd"] == none["bwd"]
+        for i, (a, b, c) in enumerate(zip(none["grads"], layer["grads"], remat["grads"])):
+            assert torch.equal(a, b) and torch.equal(a, c), f"rank {rank}: gradient {i} differs"
+
+
+@pytest.mark.parametrize("method,n", [("ulysses", 2), ("usp", 4)])
+def test_remat_ulysses_repeats_only_the_qkv_all_to_all(method, n):
+    """Ulysses and USP replay their attention (and USP its ring) and the output's all-to-all; the
+    recomputation repeats only the all-to-all of q, k, v, whose head shards their backward needs."""
+    for rank, res in enumerate(run_distributed(three_ways, n, method)):
+        none, layer, remat = res["none"], res["layer"], res["remat"]
+        qkv = "fwd/ulysses_qkv"
+        assert none["sent"][qkv] > 0 and remat["sent"][qkv] == 2 * none["sent"][qkv]
+        assert {k: b for k, b in remat["sent"].items() if k != qkv} == {k: b for k, b in none["sent"].items()
+                                                                       if k != qkv}
+        assert layer["fwd"] == 2 * none["fwd"]  # layer-boundary checkpointing repeats everything
         for i, (a, b, c) in enumerate(zip(none["grads"], layer["grads"], remat["grads"])):
             assert torch.equal(a, b) and torch.equal(a, c), f"rank {rank}: gradient {i} differs"
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..comm.groups import group_info
+from ..comm.groups import collective_device, group_info
 from ..comm.stats import CommStats
 from ..linear import linear_attention
 
@@ -23,6 +23,28 @@ from ..linear import linear_attention
 def efficiency(t_single: float, t_parallel: float, n: int) -> float:
     """Ideal time (single-rank time / N) over the measured time: 1.0 is perfect scaling."""
     return t_single / (n * t_parallel)
+
+
+def _inputs(B: int, t_local: int, H: int, K: int, V: int, decay: str, dev, dtype, gen, backward: bool):
+    """q, k, v, g (or None), dout of one rank: random, log-decays in (-1/16, 0)."""
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dev, dtype)
+
+    q, k, v = rnd(B, t_local, H, K), rnd(B, t_local, H, K), rnd(B, t_local, H, V)
+    g = None
+    if decay == "k":
+        g = F.logsigmoid(rnd(B, t_local, H, K).float() + 3).to(dtype) / 16
+    elif decay == "s":
+        g = F.logsigmoid(rnd(B, t_local, H).float() + 3).to(dtype) / 16
+    for t in (q, k, v) + ((g,) if g is not None else ()):
+        t.requires_grad_(backward)
+    return q, k, v, g, rnd(B, t_local, H, V)
+
+
+def _add_stats(stats: CommStats, one: CommStats) -> None:
+    for table in ("sent", "calls", "peer_bytes"):
+        for key, val in getattr(one, table).items():
+            getattr(stats, table)[key] += val
 
 
 def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: int = 3,
@@ -35,38 +57,28 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
     over ``repeats`` and the ``*_max`` fields are the slowest rank's (what a training step waits
     for). ``cpu_s`` is this process's CPU time for one call (all its threads): on an oversubscribed
     machine it measures the work a rank does, where wall time measures the machine's load.
-    ``stats``, when given, receives the bytes of one call. Returns a dict of plain numbers.
+    ``stats``, when given, receives the bytes of one call. ``device``: where the tensors live
+    (default: the group's, i.e. this rank's GPU under NCCL, else the CPU). Returns a dict of plain
+    numbers.
     """
     info = group_info(group)
     n = info.size
     if T_global % n:
         raise ValueError(f"T_global: {T_global} is not divisible by the group size {n}")
     t_local = T_global // n
-    gen = torch.Generator().manual_seed(seed + info.rank)
-    dev = torch.device("cpu") if device is None else torch.device(device)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(dev, dtype)
-
-    q, k, v = rnd(B, t_local, H, K), rnd(B, t_local, H, K), rnd(B, t_local, H, V)
-    g = None
-    if decay == "k":
-        g = F.logsigmoid(rnd(B, t_local, H, K).float() + 3).to(dtype) / 16
-    elif decay == "s":
-        g = F.logsigmoid(rnd(B, t_local, H).float() + 3).to(dtype) / 16
-    leaves = [t.requires_grad_(backward) for t in (q, k, v) + ((g,) if g is not None else ())]
-    do = rnd(B, t_local, H, V)
+    dev = collective_device(group) if device is None else torch.device(device)
+    q, k, v, g, do = _inputs(B, t_local, H, K, V, decay, dev, dtype, torch.Generator().manual_seed(seed + info.rank),
+                             backward)
+    leaves = [t for t in (q, k, v, g) if t is not None]
 
     def sync():
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    def barrier():
+    def call(st=None):
         sync()
         if not info.single:
             dist.barrier(group=info.group)
-
-    def call(st=None):
         c0, t0 = time.process_time(), time.perf_counter()
         o, _ = linear_attention(q, k, v, g, group=group, method=method, stats=st)
         sync()
@@ -77,32 +89,19 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
         return t1 - t0, time.perf_counter() - t1, time.process_time() - c0
 
     one = CommStats()
-    barrier()
     call(one)                                     # untimed: counts the bytes of one call
     if stats is not None:
-        for key, val in one.sent.items():
-            stats.sent[key] += val
-        for key, val in one.calls.items():
-            stats.calls[key] += val
-        for key, val in one.peer_bytes.items():
-            stats.peer_bytes[key] += val
+        _add_stats(stats, one)
     for _ in range(warmup):
-        barrier()
         call()
-    fwd, bwd, cpu = [], [], []
-    for _ in range(repeats):
-        barrier()
-        tf, tb, tc = call()
-        fwd.append(tf)
-        bwd.append(tb)
-        cpu.append(tc)
+    fwd, bwd, cpu = zip(*(call() for _ in range(repeats)))
     res = {"method": method, "N": n, "rank": info.rank, "B": B, "T_global": T_global, "T_local": t_local,
            "H": H, "K": K, "V": V, "dtype": str(dtype).replace("torch.", ""), "decay": decay,
            "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd) if backward else 0.0,
            "cpu_s": statistics.median(cpu), "bytes_fwd": one.total("fwd"), "bytes_bwd": one.total("bwd"),
            "bytes_by_primitive": one.as_dict()}
     res["total_s"] = res["fwd_s"] + res["bwd_s"]
-    worst = torch.tensor([res["fwd_s"], res["bwd_s"], res["total_s"]], dtype=torch.float64)
+    worst = torch.tensor([res["fwd_s"], res["bwd_s"], res["total_s"]], dtype=torch.float64, device=dev)
     if not info.single:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)
     res["fwd_s_max"], res["bwd_s_max"], res["total_s_max"] = worst.tolist()

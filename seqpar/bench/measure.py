@@ -15,13 +15,18 @@ from pathlib import Path
 
 
 def _device():
+    """This rank's device: the one the default group's collectives take, its GPU (LOCAL_RANK) under
+    NCCL, the CPU under gloo. Every tensor of a phase lives there: the packed steps' inputs and the
+    timing all-reduces travel through NCCL, which takes no CPU tensor."""
     import torch
 
-    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ and os.environ.get("SEQPAR_CPU") != "1":
+    from seqpar.comm.groups import collective_device
+
+    dev = collective_device()
+    if dev.type == "cuda" and "LOCAL_RANK" in os.environ:  # one GPU per local rank, as torchrun starts them
         dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(dev)
-        return dev
-    return torch.device("cpu")
+    return dev
 
 
 def _sync(dev) -> None:
@@ -256,7 +261,7 @@ def phase_plans(plans_json, lens, shape, seed: int, warmup: int, repeats: int):
     from seqpar.schedulers.execute import GroupCache, rank_work, train_step
     from seqpar.schedulers.plan import Plan
 
-    rank = dist.get_rank()
+    rank, dev = dist.get_rank(), _device()
     groups = GroupCache()
     plans = [Plan.from_json(t) for t in plans_json]
     prepared = []
@@ -265,7 +270,7 @@ def phase_plans(plans_json, lens, shape, seed: int, warmup: int, repeats: int):
         if work.empty:
             prepared.append(None)
             continue
-        per_seq = {i: _plan_inputs(i, lens[i], shape, seed) for i in work.seqs}
+        per_seq = {i: [x.to(dev) for x in _plan_inputs(i, lens[i], shape, seed)] for i in work.seqs}
         local = [work.shard(work.pack([per_seq[i][j] if i in per_seq else None for i in range(len(lens))]))
                  for j in range(4)]
         prepared.append((local, int(work.real_mask().sum())))
@@ -289,7 +294,7 @@ def phase_plans(plans_json, lens, shape, seed: int, warmup: int, repeats: int):
             dt, losses[k] = step(k)
             if r >= warmup:
                 times[k].append(dt)
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time of each run
     return [(t[k].tolist(), losses[k]) for k in range(len(plans))] if rank == 0 else None
 

@@ -27,7 +27,7 @@ import torch
 
 from .channels import TokenRingGroups
 from .collectives import all_gather_stack
-from .groups import GroupInfo, group_info
+from .groups import GroupInfo, collective_device, group_info
 from .usp_groups import describe_usp
 
 ENV_VAR = "SEQPAR_CHECK_RANKS"
@@ -108,7 +108,8 @@ def check_agreement(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict
     is this rank's local validation error, or None. Order of checks: a local error on any rank
     (this rank's own error is re-raised as is, the others name the failing ranks), then ``entry``
     (every rank called the same function), then each field against the group's first member.
-    ``device``: where the fingerprint travels (a CUDA device under NCCL; default CPU).
+    ``device``: where the fingerprint travels (default: each group's collective device, the GPU
+    under NCCL whatever the device of the tensors checked, e.g. a CPU tensor given to ``shard``).
 
     Several groups (usp's two mesh axes, a grid: every group of one axis meets every group of the
     other) are gathered one after the other, each gather carrying what the previous ones found, so
@@ -125,9 +126,8 @@ def check_agreement(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict
     failed = [] if error is None else [(me, str(error))]
     problems: list[str] = []
     for info in infos:  # every gather happens on every rank before anything is raised
-        buf = _encode(entry, fields, failed, problems)
-        rows = [_decode(row) for row in all_gather_stack(info, buf if device is None else buf.to(device),
-                                                          name="check_ranks").cpu()]
+        buf = _encode(entry, fields, failed, problems).to(collective_device(info.group) if device is None else device)
+        rows = [_decode(row) for row in all_gather_stack(info, buf, name="check_ranks").cpu()]
         for row in rows:
             failed += [(r, t) for r, t in row["failed"] if r not in {f[0] for f in failed}]
             problems += [p_ for p_ in row["problems"] if p_ not in problems]
@@ -190,12 +190,13 @@ def check_same_on_ranks(cu_host: Sequence[int], group=None, *, device=None,
     """Cheap collective check that every rank passed the same ``cu_seqlens``.
 
     All-gathers a 3-number fingerprint (count, total, weighted checksum) on ``device``
-    (default CPU; pass the CUDA device under NCCL). Every rank sees every fingerprint, so
-    every rank raises the same ``ValueError`` and none is left waiting.
+    (default: the group's collective device, the GPU under NCCL). Every rank sees every
+    fingerprint, so every rank raises the same ``ValueError`` and none is left waiting.
     """
     info = group_info(group)
     if info.single:
         return
+    device = collective_device(info.group) if device is None else device
     p = (1 << 61) - 1
     fp = torch.tensor([len(cu_host), cu_host[-1], sum((i + 1) * x for i, x in enumerate(cu_host)) % p],
                       dtype=torch.int64, device=device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -70,3 +71,19 @@ def group_info(group=None, *, argument: str = "group") -> GroupInfo:
     else:
         ranks = tuple(dist.get_process_group_ranks(pg))
     return GroupInfo(pg, rank, size, ranks)
+
+
+def collective_device(group=None) -> torch.device:
+    """Where tensors that only travel through a collective of ``group`` belong (counts, timings,
+    fingerprints, benchmark inputs): the current CUDA device when the group's backend takes CUDA
+    tensors only (NCCL), else the CPU (gloo, or no process group). NCCL rejects a CPU tensor."""
+    pg = resolve_group(group)
+    if pg is None:
+        return torch.device("cpu")
+    try:  # the devices the group's backends serve; not a public attribute, hence the fallback
+        types = {d.type for d in pg._device_types}
+    except AttributeError:
+        types = {"cuda"} if str(dist.get_backend(pg)) == "nccl" else {"cpu"}
+    if types == {"cuda"}:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

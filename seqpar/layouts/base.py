@@ -44,6 +44,10 @@ class Layout:
         """:meth:`positions` as an int64 tensor on ``device``."""
         return torch.tensor(self.positions(T, n, rank), dtype=torch.int64, device=device)
 
+    def take(self, x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
+        """``rank``'s rows of ``x`` along ``dim`` (a new tensor; the index never travels to the host)."""
+        return x.index_select(dim, self.token_indices(x.shape[dim], n, rank, device=x.device))
+
     def check_length(self, T: int, n: int, *, method: str, argument: str = "x") -> None:
         """ValueError that says which multiple is needed when ``T`` does not split over ``n`` ranks."""
         multiple = self.multiple(n)
@@ -83,6 +87,10 @@ class Contiguous(Layout):
     def token_indices(self, T, n, rank, device=None):
         c = T // n
         return torch.arange(rank * c, (rank + 1) * c, device=device)
+
+    def take(self, x, dim, n, rank):  # one slice: no index tensor at all
+        c = x.shape[dim] // n
+        return x.narrow(dim, rank * c, c).contiguous()
 
 
 class Zigzag(Layout):

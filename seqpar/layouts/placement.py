@@ -85,8 +85,7 @@ class RankPlacement(Placement):
             pl = self.packed(cu_seqlens, x.shape[dim])
             return _scatter_real(_rows(x, dim), pl, rank).movedim(0, dim).contiguous()
         self.layout.check_length(x.shape[dim], n, method=self.method)
-        idx = self.layout.token_indices(x.shape[dim], n, rank, device=x.device)
-        return x.index_select(dim, idx)
+        return self.layout.take(x, dim, n, rank)
 
     def unshard(self, x_local, dim, cu_seqlens=None, stats=None):
         n = self.info.size
@@ -135,7 +134,7 @@ class USPPlacement(Placement):
             c = pl.t_local // a.ulysses_degree
             return stream.narrow(0, a.u * c, c).movedim(0, dim).contiguous()
         self.layout.check_length(x.shape[dim], n)
-        return x.index_select(dim, self.layout.token_indices(x.shape[dim], n, self.member, device=x.device))
+        return self.layout.take(x, dim, n, self.member)
 
     def _gather(self, moved: torch.Tensor, stats) -> torch.Tensor:
         """Every rank's rows, flat member order (j-major: ring member j's U pieces in a row)."""

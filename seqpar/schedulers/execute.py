@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm.groups import collective_device
 from ..layouts import packed_layout, shard, unshard
 from ..softmax import attention
 from .plan import GroupPlan, Plan, local_batch
@@ -285,18 +286,18 @@ def train_step(plan: Plan, seq_lens: Sequence[int], rank: int, groups: GroupCach
     """
     params = [p for p in params if p.requires_grad]
     work = rank_work(plan, seq_lens, rank, groups)
-    dtype = torch.float64
+    # the two numbers travel on the world group's device (CUDA under NCCL), whatever the parameters'
+    # device or whether there are any (seqpar calibrate passes none)
+    device, dtype = collective_device(world_group), torch.float64
     if work.empty:
         loss_sum, count = None, 0
-        stats = torch.zeros(2, dtype=dtype)
+        stats = torch.zeros(2, dtype=dtype, device=device)
     else:
         loss_sum, count = loss_fn(work)
         if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0:
             raise ValueError("loss_fn: expected (scalar loss tensor, token count)")
-        stats = torch.stack([loss_sum.detach().to(dtype).cpu(), torch.tensor(float(count), dtype=dtype)])
-    device = params[0].device if params and params[0].is_cuda else None
-    if device is not None:
-        stats = stats.to(device)
+        stats = torch.stack([loss_sum.detach().to(device, dtype), torch.tensor(float(count), dtype=dtype,
+                                                                                device=device)])
     dist.all_reduce(stats, group=world_group)
     total_loss, total_tokens = float(stats[0]), float(stats[1])
     if total_tokens <= 0:

@@ -10,7 +10,9 @@ computing: only the cheap projections, norms and MLP run again. The attention fo
 communication run once per training step; the attention backward runs as usual.
 
 Memory per checkpointed layer: its inputs plus, per attention call, ``out [B, T_local, Hq, D]``
-(input dtype) and ``lse [B, Hq, T_local]`` (fp32).
+(input dtype) and ``lse [B, Hq, T_local]`` (fp32); Ulysses and USP keep ``out`` also in their
+head-sharded layout, and their recomputation repeats one all-to-all (q, k, v to head shards, which
+their backward needs) but not the attention, its ring or the output's all-to-all.
 
 Example (a Llama-style stack; ``attn`` calls ``seqpar.attention``)::
 
@@ -36,17 +38,19 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("seqpar_attention_tape"
 
 
 class AttentionTape:
-    """The ``(out, lse)`` of each attention call of one checkpointed function call, in call order."""
+    """The ``(out, lse)`` of each attention call of one checkpointed function call, in call order
+    (``lse`` is whatever the call's backward needs besides its recomputed inputs: Ulysses and USP
+    record their head-sharded ``(out, lse)`` there)."""
 
     def __init__(self) -> None:
         self.entries: list[tuple[torch.Tensor, torch.Tensor, tuple]] = []
         self._next = 0
         self.replaying = False
 
-    def record(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+    def record(self, out: torch.Tensor, lse) -> None:
         self.entries.append((out, lse, tuple(out.shape)))
 
-    def replay(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, q: torch.Tensor) -> tuple:
         """The recorded result of the next attention call of the recomputation."""
         if self._next >= len(self.entries):
             raise RuntimeError(

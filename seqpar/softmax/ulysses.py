@@ -52,6 +52,7 @@ from ..kernels import block_backward, block_forward
 from ..kernels.varlen import varlen_backward, varlen_forward
 from ..layouts.ulysses import packed_heads
 from ..methods import head_shards
+from .checkpoint import active_tape
 from .executor import RingConfig, ring_backward, ring_forward
 from .sinks import apply_sinks, sinks_grad
 
@@ -249,13 +250,17 @@ def _local_sinks(sinks, cfg: UlyssesConfig):
     return None if sinks is None else sinks[cfg.q_split.start[me]:cfg.q_split.stop[me]]
 
 
+def _qkv_to_heads(q, k, v, cfg: UlyssesConfig):
+    splits = (cfg.q_split, cfg.kv_split, cfg.kv_split)
+    return seq_to_heads(cfg.axis, (q, k, v), splits, stats=cfg.stats, name="ulysses_qkv")
+
+
 def ulysses_forward(q, k, v, cfg: UlyssesConfig, sinks=None):
     """Sequence shards in, sequence shards out: ``out [B, c, Hq, D]`` in q's dtype.
 
     Also returns what backward needs: the head-sharded ``qh, kh, vh, outh`` and ``lse [B, h, L]``.
     """
-    splits = (cfg.q_split, cfg.kv_split, cfg.kv_split)
-    qh, kh, vh = seq_to_heads(cfg.axis, (q, k, v), splits, stats=cfg.stats, name="ulysses_qkv")
+    qh, kh, vh = _qkv_to_heads(q, k, v, cfg)
     outh, lse = _local_forward(qh, kh, vh, cfg, _local_sinks(sinks, cfg))
     (out,) = heads_to_seq(cfg.axis, (outh,), (cfg.q_split,), cfg.heads[:1], stats=cfg.stats, name="ulysses_out")
     return out, (qh, kh, vh, outh, lse)
@@ -279,13 +284,26 @@ def ulysses_backward(dout, saved, cfg: UlyssesConfig, sinks=None):
 
 
 class UlyssesAttention(torch.autograd.Function):
-    """Saves what backward needs and restores it; the work is in ulysses_forward / ulysses_backward."""
+    """Saves what backward needs and restores it; the work is in ulysses_forward / ulysses_backward.
+
+    Inside :func:`seqpar.checkpoint`, the first forward records ``out`` and the head-sharded
+    ``(outh, lse)``; the recomputation before backward replays them: neither the attention (nor, for
+    USP, its ring) nor the output's all-to-all runs again, only the all-to-all of q, k, v, whose
+    head-sharded copies the backward needs (keeping them would cost the memory checkpointing saves).
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, cfg: UlyssesConfig):
         if cfg.stats is not None:
             cfg.stats.phase = "fwd"
-        out, saved = ulysses_forward(q, k, v, cfg, sinks)
+        tape = active_tape()
+        if tape is not None and tape.replaying:
+            out, (outh, lse) = tape.replay(q)
+            out, saved = out.detach(), (*_qkv_to_heads(q, k, v, cfg), outh, lse)
+        else:
+            out, saved = ulysses_forward(q, k, v, cfg, sinks)
+            if tape is not None:
+                tape.record(out.detach(), (saved[3].detach(), saved[4]))
         ctx.save_for_backward(*saved, sinks)
         ctx.cfg = cfg
         return out
