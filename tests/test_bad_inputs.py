@@ -33,6 +33,8 @@ New cases here (entry point: case -- expected words):
 18  seqpar.attention           causal differs on rank 1                    2 ranks, check_ranks
 19  seqpar.attention           packed, cu_seqlens differs on rank 1        2 ranks, check_ranks
 20  seqpar.attention (usp)     2x2 mesh, causal differs on rank 3 only     4 ranks, check_ranks
+20b seqpar.attention (usp)     the same, default settings                  4 ranks
+20c seqpar.attention (usp)     (ulysses, ring) pair, T_local differs       4 ranks
 21  seqpar.shard               dim out of range (was silently wrapped)     2 ranks
 22  seqpar.shard               T=7 not a multiple of N=2 (striped)         2 ranks
 23  seqpar.unshard             x_local of another shape on rank 1          2 ranks, check_ranks
@@ -125,6 +127,17 @@ def _usp_mesh_causal_differs():
     return seqpar.attention(q, q, q, method="usp", group=mesh, causal=_rank() != 3, check_ranks=True)
 
 
+def _usp_pair_length_differs():
+    """usp on a (ulysses_group, ring_group) pair, default settings: rank 3 passes 2 more tokens."""
+    import torch.distributed as dist
+
+    rows = [dist.new_group(r) for r in ([0, 1], [2, 3])]  # every rank creates every group, in order
+    cols = [dist.new_group(c) for c in ([0, 2], [1, 3])]
+    dist.barrier()
+    q = _t(T=8 + 2 * (_rank() == 3))
+    return seqpar.attention(q, q, q, method="usp", group=(rows[_rank() // 2], cols[_rank() % 2]))
+
+
 def _packed_differs():
     cu = torch.tensor([0, 5, 12] if _rank() == 0 else [0, 6, 12], dtype=torch.int32)
     local = seqpar.shard(torch.zeros(1, 12, 2, 8), cu_seqlens=cu)
@@ -169,16 +182,20 @@ CASES = {
                            "rank 1 passed causal True but rank 0 passed False"),
     "check_ranks_cu_seqlens": (2, _packed_differs, "rank 1 passed cu_seqlens"),
     "check_ranks_usp_mesh": (4, _usp_mesh_causal_differs, "rank 3 passed causal False but rank [12] passed True"),
+    "usp_mesh_default": (4, lambda: seqpar.attention(_t(), _t(), _t(), method="usp", group=_mesh_2d(),
+                                                     causal=_rank() != 3),
+                         "rank 3 passed causal False but rank [12] passed True"),
+    "usp_pair_default": (4, _usp_pair_length_differs, r"rank 3 passed q of shape \(1, 10, 4, 16\) but rank 2 passed"),
     "shard_dim": (2, lambda: seqpar.shard(_t(), dim=5), "dim=5 is not a dimension"),
     "shard_length": (2, lambda: seqpar.shard(_t(T=7), method="striped_ring"), "multiple of 2"),
     "unshard_check_ranks": (2, lambda: seqpar.unshard(_t(T=4 + 2 * _rank()), method="ring", check_ranks=True),
-                            r"rank 1 passed x of shape \(1, 6, 4, 16\)"),
+                            r"rank 1 passed x_local of shape \(1, 6, 4, 16\)"),
     "lin_k_shape": (2, lambda: seqpar.linear_attention(_t(), _t(D=8), _t()), "k: shape"),
     "lin_method": (2, lambda: seqpar.linear_attention(_t(), _t(), _t(), method="zecoo"), "method='zecoo'"),
     "lin_cu_seqlens": (2, lambda: seqpar.linear_attention(_t(), _t(), _t(), cu_seqlens=[0, 4, 9]),
                        r"cu_seqlens\[-1\] must equal N \* T_local = 2 \* 8 = 16"),
     "lin_cu_seqlens_differ": (2, lambda: seqpar.linear_attention(_t(), _t(), _t(), cu_seqlens=[0, 5 + _rank(), 16]),
-                              "cu_seqlens differs across ranks"),
+                              "rank 1 passed cu_seqlens 2 documents, 16 tokens"),
     "lin_g_nan": (2, lambda: seqpar.linear_attention(_t(), _t(), _t(), torch.full((1, 8, 4, 16), float("nan"))),
                   "g: the log-decay .* NaN"),
     "lin_g_positive_one_rank": (2, _g_positive_on_rank_1, r"g: the log-decay|rank\(s\) \[1\] rejected"),

@@ -15,6 +15,7 @@ can fail.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -27,30 +28,52 @@ PG_TIMEOUT = 10.0  # seconds a survivor waits for a silent peer (the process gro
 DEAD = 2
 
 
-def _ring_then_die(method):
+def _call(method):
+    """One call of ``method`` on 3 ranks (3 heads: Ulysses needs a multiple of N); returns its output."""
+    gen = torch.Generator().manual_seed(0)
+    if method == "checkpoint barrier":  # a collective of the trainer (seqpar train's checkpointing)
+        from seqpar.integrations.trainer_ckpt import _barrier
+
+        return _barrier()
+    if method in seqpar.LINEAR_METHODS:
+        q, k, v = (torch.randn(1, 8, 3, 8, generator=gen).requires_grad_() for _ in range(3))
+        return seqpar.linear_attention(q, k, v, -torch.rand(1, 8, 3, generator=gen), method=method)[0]
+    q, k, v = (seqpar.shard(torch.randn(1, 24, 3, 8, generator=gen), method=method).requires_grad_()
+               for _ in range(3))
+    return seqpar.attention(q, k, v, method=method, causal=True)
+
+
+def _names(message: str, peer: int, *, exactly: bool) -> bool:
+    """Whether a PeerError message (after its "[after x s]" prefix) blames ``peer``: as the one peer,
+    or (``exactly=False``) among the members of a collective."""
+    blamed = message.split("] ", 1)[1].split(" failed")[0]
+    return bool(re.search(rf"with rank {peer}$" if exactly else rf"with one of ranks \[.*\b{peer}\b", blamed))
+
+
+def _ring_then_die(method, where):
+    """Every rank completes one call; then rank DEAD crashes, "between calls" (the survivors meet it
+    missing in the rank agreement of their next call) or "before backward" (in the method's own
+    transfers: for ulysses its all-to-all)."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 24, 2, 8, generator=gen) for _ in range(3))
-    local = [seqpar.shard(t, method=method) for t in (q, k, v)]
-    seqpar.attention(*local, method=method, causal=True)  # every rank completes one call
-    if rank == DEAD:
+    out = _call(method)  # every rank completes one forward
+    if dist.get_rank() == DEAD:
         os._exit(1)  # a crash: no cleanup, sockets closed by the OS
     start = time.monotonic()
     try:
-        seqpar.attention(*local, method=method, causal=True)
+        _call(method) if where == "between calls" else out.sum().backward()
     except seqpar.PeerError as exc:
         raise seqpar.PeerError(f"[after {time.monotonic() - start:.1f} s] {exc}", peers=exc.peers) from None
     return "no error"
 
 
-def test_survivors_raise_peer_error_naming_the_dead_rank(method="zigzag_ring"):
+@pytest.mark.parametrize("method,where", [("zigzag_ring", "between calls"), ("ulysses", "before backward")])
+def test_survivors_raise_peer_error_naming_the_dead_rank(method, where):
     pool = WorkerPool(3, failure_grace=3 * PG_TIMEOUT, pg_timeout=PG_TIMEOUT)
     try:
         start = time.monotonic()
         with pytest.raises(RankError) as info:
-            pool.run(_ring_then_die, (method,), timeout=90)
+            pool.run(_ring_then_die, (method, where), timeout=90)
         elapsed = time.monotonic() - start
     finally:
         pool.close(kill=True)
@@ -60,7 +83,8 @@ def test_survivors_raise_peer_error_naming_the_dead_rank(method="zigzag_ring"):
     for rank in (0, 1):
         kind, message, _ = errors[rank]
         assert kind == "PeerError", f"rank {rank}: {kind}: {message}"
-        assert f"with rank {DEAD} failed" in message, f"rank {rank} does not name rank {DEAD}: {message}"
+        # the rank agreement names it exactly; Ulysses' all-to-all (a collective) names the group
+        assert _names(message, DEAD, exactly=where == "between calls"), f"rank {rank}: {message}"
         assert "init_process_group" in message and "log" in message  # says what to do
     assert elapsed < 60, f"the survivors took {elapsed:.0f} s to give up"
 
@@ -91,9 +115,9 @@ def _linear_then_die(method, dead):
 
 @pytest.mark.parametrize("method", ["zeco", "lasp2"])
 def test_linear_attention_survivors_raise_peer_error(method):
-    """ZeCO's All-Scan chain (point to point) names the dead neighbour; LASP-2's all-gather names the
-    other members (a collective cannot tell which one failed). Rank 1 dies: it is both survivors'
-    neighbour on the chain."""
+    """Rank 1 dies between two calls: the survivors' rank agreement of the second call (point to
+    point with every member) names it exactly, whatever the method (LASP-2's own all-gather could only
+    name the group)."""
     pool = WorkerPool(3, failure_grace=3 * PG_TIMEOUT, pg_timeout=PG_TIMEOUT)
     try:
         start = time.monotonic()
@@ -107,46 +131,65 @@ def test_linear_attention_survivors_raise_peer_error(method):
     for rank in (0, 2):
         kind, message, _ = errors[rank]
         assert kind == "PeerError", f"rank {rank}: {kind}: {message}"
-        named = "with rank 1 failed" if method == "zeco" else "ranks ["
-        assert named in message and "1" in message.split("failed")[0], f"rank {rank}: {message}"
+        assert "check_ranks" in message and "with rank 1 failed" in message, f"rank {rank}: {message}"
     assert elapsed < 60, f"the survivors took {elapsed:.0f} s to give up"
 
 
 SILENT_TIMEOUT = 2.0
 
 
-def _ring_with_a_silent_peer():
+def _with_a_silent_peer(method, where, flag):
+    """Rank DEAD stays alive but stops communicating, ``where`` = "before the call" (the others wait
+    in the rank agreement) or "before backward" (they wait in the method's own transfers: ring P2P,
+    Ulysses' all-to-all, ZeCO's All-Scan chain and its helper thread, LASP-2's all-gather). It
+    returns once the others have given up (``flag`` file), so the pool needs no respawn."""
     import torch.distributed as dist
 
-    gen = torch.Generator().manual_seed(0)
-    local = [seqpar.shard(torch.randn(1, 24, 2, 8, generator=gen), method="ring") for _ in range(3)]
+    out = None if where == "before the call" else _call(method)
     if dist.get_rank() == DEAD:
-        time.sleep(6 * SILENT_TIMEOUT)  # alive but never joins the ring (e.g. stuck in a data loader)
-        return "slept"
+        deadline = time.monotonic() + 12 * SILENT_TIMEOUT
+        while time.monotonic() < deadline and sum(os.path.exists(f"{flag}.{r}") for r in range(DEAD)) < DEAD:
+            time.sleep(0.05)
+        return "stayed silent"
     start = time.monotonic()
     try:
-        seqpar.attention(*local, method="ring", causal=True)
+        _call(method) if out is None else out.sum().backward()
     except seqpar.PeerError as exc:
         raise seqpar.PeerError(f"[after {time.monotonic() - start:.1f} s] {exc}", peers=exc.peers) from None
+    finally:
+        open(f"{flag}.{dist.get_rank()}", "w").close()
     return "no error"
 
 
-def test_silent_peer_fails_after_the_group_timeout():
-    """A peer that is alive but never communicates: the survivors give up after the group's timeout."""
-    pool = WorkerPool(3, failure_grace=2 * SILENT_TIMEOUT, pg_timeout=SILENT_TIMEOUT)
-    try:
-        with pytest.raises(RankError) as info:
-            pool.run(_ring_with_a_silent_peer, timeout=60)
-    finally:
-        pool.close(kill=True)
+@pytest.fixture(scope="module")
+def silent_pool():
+    pool = WorkerPool(3, failure_grace=10 * SILENT_TIMEOUT, pg_timeout=SILENT_TIMEOUT)
+    yield pool
+    pool.close(kill=True)
+
+
+@pytest.mark.parametrize("method,where", [("ring", "before the call"), ("ring", "before backward"),
+                                          ("ulysses", "before backward"), ("zeco", "before backward"),
+                                          ("lasp2", "before backward"), ("checkpoint barrier", "before the call")])
+def test_silent_peer_fails_after_the_group_timeout(silent_pool, tmp_path, method, where):
+    """A peer that is alive but never communicates: the survivors give up after the group's timeout
+    (not later), with a PeerError naming it, wherever they wait for it."""
+    with pytest.raises(RankError) as info:
+        silent_pool.run(_with_a_silent_peer, (method, where, str(tmp_path / "gave_up")), timeout=60)
     errors = info.value.per_rank_errors
-    assert DEAD not in errors and info.value.stuck_ranks == [DEAD], errors  # killed with the pool
+    assert DEAD not in errors and not info.value.stuck_ranks, errors
     for rank in (0, 1):
         kind, message, _ = errors[rank]
         assert kind == "PeerError" and f"timeout of 0:00:0{SILENT_TIMEOUT:.0f}" in message, (rank, message)
         waited = float(message.split(" s]")[0].split("after ")[1])
         assert waited < 3 * SILENT_TIMEOUT, f"rank {rank} gave up after {waited} s"
-    assert f"recv on rank 0 with rank {DEAD} failed" in errors[0][1], errors[0][1]  # rank 0 waits on rank 2
+        # the peer it waited on: the silent rank (or one of a collective's members), except on ZeCO's
+        # reverse chain, where rank 0 waits on rank 1, which gave up on rank 2 at the same moment
+        suspect = 1 if (method, rank) == ("zeco", 0) else DEAD
+        assert _names(message, suspect, exactly=method in ("ring", "zeco")), f"rank {rank}: {message}"
+        assert method != "checkpoint barrier" or message.split("] ", 1)[1].startswith("checkpoint barrier on")
+    if where == "before the call" and method == "ring":  # the agreement names the silent rank exactly
+        assert all(f"check_ranks send on rank {r} with rank {DEAD} failed" in errors[r][1] for r in (0, 1)), errors
 
 
 # ----------------------------------------------------------------- numerics: no growth with N

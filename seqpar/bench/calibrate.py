@@ -55,6 +55,7 @@ from typing import Sequence
 
 import numpy as np
 
+from seqpar.comm.collectives import peer_errors
 from seqpar.comm.launch import (
     launched_by_torchrun,
     launched_process_group,
@@ -134,7 +135,8 @@ def _runner(nproc: int, ranks: LocalRanks):
 
         def run(fn, *args):  # rank 0's result, on every rank (the next phases and the models need it)
             box = [fn(*args)]
-            dist.broadcast_object_list(box, src=0)
+            with peer_errors(name="calibration broadcast"):
+                dist.broadcast_object_list(box, src=0)
             return box[0]
         return run, dist.get_world_size(), dist.get_rank() == 0
     return (lambda fn, *args: ranks.run(fn, nproc, *args, timeout=3600)[0]), nproc, True
@@ -346,6 +348,7 @@ def build_models(meas: dict, methods: Sequence[str]) -> tuple[ClusterSpec, CostM
     cores = usable_cores() if cpu else (os.cpu_count() or 1)
     fields = {"world_size": world, "ranks_per_node": rpn, "memory_per_rank": float(mem["memory_per_rank"]),
               "cores": float(cores) if cpu else 0.0,
+              # ranks sharing cores cannot run faster than one alone: a measured factor below 1 is noise
               "compute_slowdown_by_ranks": tuple((int(k), max(1.0, float(v)) if cpu else float(v))
                                                  for k, v in meas["core sharing"].items()),
               "measured_links": tuple((g, kind, bw, lat) for (g, kind), (bw, lat) in sorted(links.items())),

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.comm import CommStats, TokenRingGroups
+from seqpar.comm.collectives import peer_errors
 from seqpar.comm.launch import launched_by_torchrun as launched
 from seqpar.comm.launch import launched_process_group
 from seqpar.comm.launch import progress_track as _progress
@@ -166,7 +167,7 @@ class BenchRow:
 
 
 def _device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):  # "nccl" or "cpu:gloo,cuda:nccl"
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -200,7 +201,8 @@ def _call(case: BenchCase, tensors, group, stats=None, comm=None, cu_seqlens=Non
     *ins, dout = tensors
     leaves = [t.detach().requires_grad_() for t in ins]
     if group is not None:
-        dist.barrier(group)
+        with peer_errors(group, "bench barrier"):
+            dist.barrier(group)
     _sync(device)
     t0 = time.perf_counter()
     if case.family == "linear":
@@ -222,7 +224,8 @@ def _reduce(x: float, group, op=None) -> float:
     if group is None:
         return x
     t = torch.tensor([float(x)], dtype=torch.float64, device=_device())
-    dist.all_reduce(t, op=op or dist.ReduceOp.MAX, group=group)
+    with peer_errors(group, "bench all-reduce"):
+        dist.all_reduce(t, op=op or dist.ReduceOp.MAX, group=group)
     return float(t)
 
 

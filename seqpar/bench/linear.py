@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..comm.collectives import all_reduce_, peer_errors
 from ..comm.groups import collective_device, group_info
 from ..comm.stats import CommStats
 from ..linear import linear_attention
@@ -78,7 +79,8 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
     def call(st=None):
         sync()
         if not info.single:
-            dist.barrier(group=info.group)
+            with peer_errors(info, "bench barrier"):
+                dist.barrier(group=info.group)
         c0, t0 = time.process_time(), time.perf_counter()
         o, _ = linear_attention(q, k, v, g, group=group, method=method, stats=st)
         sync()
@@ -102,7 +104,6 @@ def bench_linear(method: str, T_global: int, H: int, K: int, V: int, repeats: in
            "bytes_by_primitive": one.as_dict()}
     res["total_s"] = res["fwd_s"] + res["bwd_s"]
     worst = torch.tensor([res["fwd_s"], res["bwd_s"], res["total_s"]], dtype=torch.float64, device=dev)
-    if not info.single:
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)
+    all_reduce_(info, worst, op=dist.ReduceOp.MAX, name="bench all-reduce")
     res["fwd_s_max"], res["bwd_s_max"], res["total_s_max"] = worst.tolist()
     return res

@@ -213,6 +213,10 @@ def simulate_main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     try:
+        for flag in ("heads", "kv_heads", "head_dim", "layers", "ffn", "vocab", "repeats"):
+            value = getattr(args, flag)  # 0 would otherwise read as "not given" and take the default
+            if value is not None and value < 1:
+                raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got {value}")
         if args.validate:
             from .sim_validate import validate_main
 
@@ -224,7 +228,10 @@ def simulate_main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    (seq_len,) = parse_lengths(args.seq_len or "128k", "--seq-len")
+    lens = parse_lengths(args.seq_len or "128k", "--seq-len")
+    if len(lens) != 1:
+        raise ValueError(f"--seq-len: one length, got {args.seq_len!r}")
+    seq_len = lens[0]
     sizes = parse_lengths(args.world_sizes, "--world-sizes") if args.world_sizes else list(DEFAULT_WORLD_SIZES)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     bad = [m for m in methods or [] if m not in KNOWN_METHODS]

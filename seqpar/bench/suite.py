@@ -84,6 +84,8 @@ def _causal_list(value, field: str = "causal") -> list[bool]:
             out.append(False)
         else:
             raise ValueError(f"{field}: {v!r} is not true, false or 'both'")
+    if len(set(out)) < len(out):
+        raise ValueError(f"{field}: {value!r} lists a value twice; list each once, or 'both'")
     return out
 
 
@@ -93,8 +95,29 @@ def _ints(value, field: str, minimum: int = 1) -> list[int]:
         x = parse_length(v, field) if isinstance(v, str) else v
         if isinstance(x, bool) or not isinstance(x, int) or x < minimum:
             raise ValueError(f"{field}: expected integers >= {minimum}, got {v!r}")
+        if x in out:  # a row asked for twice would be dropped: say so instead
+            raise ValueError(f"{field}: {v!r} is listed twice (= {x}); list each value once")
         out.append(x)
     return out
+
+
+def _scalar(config: dict, key: str, default, minimum: int = 1) -> int:
+    """One integer setting (repeats, warmup, threads, seed): a list or a float is refused, not cut."""
+    value = config.get(key, default)
+    if isinstance(value, (list, tuple)):
+        raise ValueError(f"{key}: expected one integer, got a list {value!r}")
+    return _ints(value, key, minimum)[0]
+
+
+def _flag(config: dict, key: str) -> bool:
+    """A boolean setting: true/false (or yes/no); any other value (e.g. the string "false", which
+    ``bool()`` would read as true) is refused."""
+    value = config.get(key, False)
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "yes", "false", "no"):
+        return str(value).lower() in ("true", "yes")
+    raise ValueError(f"{key}: expected true or false, got {value!r}")
 
 
 def load_suite(path: str) -> dict:
@@ -131,6 +154,9 @@ def expand_matrix(config: dict) -> list[BenchCase]:
     lens = _ints(config.get("seq_lens", [2048]), "seq_lens")
     emulate = config.get("emulate")
     if emulate is not None:
+        if "world_sizes" in config:  # one of the two would be ignored
+            raise ValueError(f"emulate: give world_sizes (real ranks) or emulate (ranks emulated on one device), "
+                             f"not both (got world_sizes={config['world_sizes']!r}, emulate={emulate!r})")
         sizes = _ints(emulate, "emulate")
     else:
         sizes = _ints(config.get("world_sizes", [2]), "world_sizes")
@@ -139,15 +165,18 @@ def expand_matrix(config: dict) -> list[BenchCase]:
     kv_given = config.get("kv_heads")
     head_dims = _ints(config.get("head_dim", 64), "head_dim")
     batches = _ints(config.get("batch", 1), "batch")
+    if "dtypes" in config and "dtype" in config:
+        raise ValueError("dtype: give dtypes or its alias dtype, not both (one would be ignored)")
     dtypes = [str(d) for d in _as_list(config.get("dtypes", config.get("dtype", "float32")))]
     for d in dtypes:
         if d not in DTYPES:
             raise ValueError(f"dtypes: {d!r} is not one of {', '.join(DTYPES)}")
-    (repeats,), (warmup,), (threads,) = (_ints(config.get("repeats", 3), "repeats"),
-                                        _ints(config.get("warmup", 1), "warmup", 0),
-                                        _ints(config.get("threads", 1), "threads"))
-    packed = bool(config.get("packed", False))
-    seed = int(config.get("seed", 0))
+        if dtypes.count(d) > 1:
+            raise ValueError(f"dtypes: {d!r} is listed twice; list each value once")
+    repeats, warmup, threads = (_scalar(config, "repeats", 3), _scalar(config, "warmup", 1, 0),
+                                _scalar(config, "threads", 1))
+    packed = _flag(config, "packed")
+    seed = _scalar(config, "seed", 0, 0)
     linear = [m for m in methods if m in LINEAR_METHODS]
     if linear and True not in causal:
         raise ValueError(f"causal: {', '.join(linear)} are causal linear attention; ask for causal rows "

@@ -1,24 +1,27 @@
-"""Cross-rank agreement: one cheap all-gather that checks every rank passed compatible arguments.
+"""Cross-rank agreement: every rank of a group must make the same call, checked before any payload moves.
 
 Ranks of a sequence-parallel group must call an entry point with the same shapes, dtypes, method,
-mask and packing; when one does not, the ring pairs up buffers of different sizes and the job hangs
-or fails far from the cause. With ``check_ranks=True`` (or the environment variable
-``SEQPAR_CHECK_RANKS=1``; the argument wins, the variable is read at call time) an entry point
-first gathers a small fingerprint of its arguments from every rank, before any other communication:
+mask, packing and options; when one does not, the ring pairs up buffers of different sizes: gloo
+aborts the process whose receive is too small, a receive that is too large succeeds and returns
+garbage, NCCL hangs or reads the wrong bytes. So by default (``check_ranks=None`` and
+``SEQPAR_CHECK_RANKS`` unset or 1; ``check_ranks=False`` or ``SEQPAR_CHECK_RANKS=0`` opt out) an entry
+point first checks that the call agrees on every rank, before any other communication:
 
-- every rank's local validation error (a ``ValueError`` raised on some ranks only is re-raised on
-  every rank, naming the ranks that raised it),
-- then each field (``q of shape``, ``dtype``, ``method``, ``cu_seqlens`` ...) compared with rank 0's:
-  every rank raises the same ``ValueError``, e.g. ``rank 2 passed q of shape (1, 64, 8, 16) but rank
-  0 passed (1, 32, 8, 16)``.
+- the call's fields (:func:`seqpar.comm.fingerprint.call_fields`: every argument) are hashed and
+  one exchange of 32 bytes per rank compares the digests and each rank's local validation verdict
+  (:func:`~seqpar.comm.fingerprint.quick_agreement`, on the CPU when the group takes CPU tensors);
+- only when that finds a difference, the full fingerprints are gathered to say who passed what:
+  a ``ValueError`` raised on some ranks only is re-raised on those ranks and every other rank raises
+  one naming them; then each field is compared with the group's first member's, and every rank
+  raises the same ``ValueError``, e.g. ``rank 2 passed q of shape (1, 64, 8, 16) but rank 0 passed
+  (1, 32, 8, 16)``.
 
-Cost: one all-gather of :data:`FINGERPRINT_BYTES` bytes per rank (two for usp on a 2-D mesh or a
-pair of groups): cheap, but not free, hence off by default.
+Cost: one exchange of 32 bytes per rank per call (two for usp on a 2-D mesh or a pair of groups);
+measured in docs/reliability.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -27,61 +30,37 @@ import torch
 
 from .channels import TokenRingGroups
 from .collectives import all_gather_stack
-from .groups import GroupInfo, collective_device, group_info
-from .usp_groups import describe_usp
+from .fingerprint import FULL_TAG, clip, gather_rows, quick_agreement
+from .groups import GroupInfo, _is_device_mesh, collective_device, group_info
+from .usp_groups import USPGroups, describe_usp
 
 ENV_VAR = "SEQPAR_CHECK_RANKS"
 FINGERPRINT_BYTES = 8192  # fixed size (an all-gather needs one size on every rank)
-_FIELD_CHARS = 160  # longer values are cut and suffixed with a hash of the whole value
 _ERROR_CHARS = 600
 _PROBLEM_CHARS = 300
 _CARRY_FAILED, _CARRY_PROBLEMS = 2, 6  # what one gather passes on to the next (usp's second axis)
 
 
 def check_ranks_enabled(check_ranks: bool | None) -> bool:
-    """The effective setting: ``check_ranks`` when given, else ``SEQPAR_CHECK_RANKS`` (read now)."""
+    """The effective setting: ``check_ranks`` when given, else ``SEQPAR_CHECK_RANKS`` (read now),
+    else on."""
     if check_ranks is not None:
         if not isinstance(check_ranks, bool):
-            raise ValueError(f"check_ranks: expected True, False or None (= ${ENV_VAR}), got {check_ranks!r}")
+            raise ValueError(f"check_ranks: expected True, False or None (= ${ENV_VAR}, default on), "
+                             f"got {check_ranks!r}")
         return check_ranks
     value = os.environ.get(ENV_VAR, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
+    if value in ("0", "false", "no", "off"):
         return False
-    if value in ("1", "true", "yes", "on"):
+    if value in ("", "1", "true", "yes", "on"):
         return True
     raise ValueError(f"${ENV_VAR}={os.environ[ENV_VAR]!r}: expected 1 or 0 (true/false)")
 
 
-def shape_of(x) -> str:
-    """A printable shape for a tensor argument (its type name otherwise: fingerprints never fail)."""
-    if isinstance(x, torch.Tensor):
-        return str(tuple(x.shape))
-    return "None" if x is None else f"a {type(x).__name__}"
-
-
-def offsets_fingerprint(cu_seqlens) -> str:
-    """``cu_seqlens`` in a few characters: count, total and a hash of the offsets (None -> "None")."""
-    if cu_seqlens is None:
-        return "None"
-    values = getattr(cu_seqlens, "cu_seqlens", cu_seqlens)  # a PackedLayout carries its offsets
-    try:
-        host = [int(x) for x in (values.tolist() if isinstance(values, torch.Tensor) else values)]
-    except Exception:  # invalid offsets: the local check reports them; compare their text here
-        return _clip(repr(values))
-    digest = hashlib.blake2b(repr(host).encode(), digest_size=6).hexdigest()
-    return f"{len(host) - 1} documents, {host[-1] if host else 0} tokens, hash {digest}"
-
-
-def _clip(text: str, limit: int = _FIELD_CHARS) -> str:
-    if len(text) <= limit:
-        return text
-    return text[:limit - 20] + "... #" + hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
-
-
 def _encode(entry: str, fields: dict[str, object], failed: list, problems: list) -> torch.Tensor:
-    doc = {"entry": entry, "fields": {key: _clip(str(value)) for key, value in fields.items()},
+    doc = {"entry": entry, "fields": {key: clip(str(value)) for key, value in fields.items()},
            "failed": [[r, _clip_error(t)] for r, t in failed[:_CARRY_FAILED]],
-           "problems": [_clip(p_, _PROBLEM_CHARS) for p_ in problems[:_CARRY_PROBLEMS]]}
+           "problems": [clip(p_, _PROBLEM_CHARS) for p_ in problems[:_CARRY_PROBLEMS]]}
     raw = json.dumps(doc).encode()
     if len(raw) > FINGERPRINT_BYTES:  # cannot happen with clipped values, unless a caller adds dozens
         raise ValueError(f"check_ranks: the argument fingerprint of {entry} needs {len(raw)} bytes, "
@@ -96,7 +75,7 @@ def _clip_error(text: str) -> str:
 
 
 def _decode(row: torch.Tensor) -> dict:
-    raw = bytes(row.tolist()).rstrip(b"\0")
+    raw = row.numpy().tobytes().rstrip(b"\0")
     return json.loads(raw.decode())
 
 
@@ -108,8 +87,8 @@ def check_agreement(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict
     is this rank's local validation error, or None. Order of checks: a local error on any rank
     (this rank's own error is re-raised as is, the others name the failing ranks), then ``entry``
     (every rank called the same function), then each field against the group's first member.
-    ``device``: where the fingerprint travels (default: each group's collective device, the GPU
-    under NCCL whatever the device of the tensors checked, e.g. a CPU tensor given to ``shard``).
+    ``device``: the inputs' CUDA device, used only when a group cannot carry CPU tensors
+    (:func:`~seqpar.comm.fingerprint.check_device`: gloo and multi-backend groups gather on the CPU).
 
     Several groups (usp's two mesh axes, a grid: every group of one axis meets every group of the
     other) are gathered one after the other, each gather carrying what the previous ones found, so
@@ -126,8 +105,8 @@ def check_agreement(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict
     failed = [] if error is None else [(me, str(error))]
     problems: list[str] = []
     for info in infos:  # every gather happens on every rank before anything is raised
-        buf = _encode(entry, fields, failed, problems).to(collective_device(info.group) if device is None else device)
-        rows = [_decode(row) for row in all_gather_stack(info, buf, name="check_ranks").cpu()]
+        buf = _encode(entry, fields, failed, problems)
+        rows = [_decode(row) for row in gather_rows(info, buf, tag=FULL_TAG, device=device)]
         for row in rows:
             failed += [(r, t) for r, t in row["failed"] if r not in {f[0] for f in failed}]
             problems += [p_ for p_ in row["problems"] if p_ not in problems]
@@ -146,16 +125,26 @@ def check_agreement(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict
 
 
 def agreed(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict[str, object], prepare, *, device=None):
-    """Run the local checks ``prepare()`` and then :func:`check_agreement`: a ``prepare`` error is
-    held until after the gather, so the other ranks raise naming this one instead of waiting.
-    Returns what ``prepare`` returned (every rank has agreed by then)."""
+    """Run the local checks ``prepare()``, then check agreement: first the digest gather of
+    :func:`~seqpar.comm.fingerprint.quick_agreement`, and only when it finds a difference (on every
+    rank alike) :func:`check_agreement`, which says who passed what. A ``prepare`` error is held until
+    after the gathers, so the other ranks raise naming this one instead of waiting. Returns what
+    ``prepare`` returned when every rank agreed; raises on every rank otherwise."""
     error = result = None
     try:
         result = prepare()
     except Exception as exc:
         error = exc
-    check_agreement(infos, entry, fields, error, device=device)
-    return result
+    infos = [infos] if isinstance(infos, GroupInfo) else list(infos)
+    gathering = [info for info in infos if not info.single]
+    if gathering and quick_agreement(gathering, entry, fields, error is not None, device=device):
+        return result
+    check_agreement(gathering, entry, fields, error, device=device)
+    if not gathering:
+        return result
+    # The digests differed, so the fingerprints differ too (clipped values carry a hash of the whole)
+    raise ValueError(f"{entry}: the ranks of the group passed arguments whose digests differ, but no field "
+                     "differs in the fingerprints (internal error: please report it); every rank stops here")
 
 
 def _disagreements(ranks: tuple[int, ...], rows: list[dict]) -> list[str]:
@@ -168,8 +157,19 @@ def _disagreements(ranks: tuple[int, ...], rows: list[dict]) -> list[str]:
         for key, value in ref["fields"].items():
             mine = row["fields"].get(key)
             if mine != value:
-                out.append(f"rank {ranks[i]} passed {key} {mine} but rank {ranks[0]} passed {value}")
+                out += [f"rank {ranks[i]} passed {key}{a} but rank {ranks[0]} passed {b}"
+                        for a, b in _difference(str(mine), value)]
     return out
+
+
+def _difference(mine: str, ref: str) -> list[tuple[str, str]]:
+    """What differs between two values: for tensors (``shape ...; dtype ...; device ...``) only the
+    parts that differ, as ``(" of shape (1, 16, 4, 16)", "(1, 8, 4, 16)")``; else the whole values."""
+    a, b = mine.split("; "), ref.split("; ")
+    pairs = [(x.split(" ", 1), y.split(" ", 1)) for x, y in zip(a, b) if x != y]
+    if len(a) == len(b) > 1 and all(len(x) == len(y) == 2 and x[0] == y[0] for x, y in pairs):
+        return [(f" of {x[0]} {x[1]}", y[1]) for x, y in pairs]
+    return [(f" {mine}", ref)]
 
 
 def agreement_groups(group, *, usp: bool = False, ulysses_degree: int | None = None) -> list[GroupInfo]:
@@ -177,9 +177,12 @@ def agreement_groups(group, *, usp: bool = False, ulysses_degree: int | None = N
     of groups its two axes (agreement along both axes is agreement of all, transitively)."""
     if isinstance(group, TokenRingGroups):
         group = group.group
-    if not usp:
-        return [group_info(group)]
-    axes = describe_usp(group, ulysses_degree)
+    if not usp or not (isinstance(group, (tuple, list, USPGroups)) or _is_device_mesh(group)):
+        return [group_info(group)]  # usp on a plain group: the flat group, whatever ulysses_degree says
+    # the axes of a mesh or a pair whatever ulysses_degree says (it is in the fingerprint): a degree
+    # that does not match is a local error, held until after the gather (raised before it, the other
+    # ranks would wait for this one)
+    axes = describe_usp(group, None)
     if axes.flat is not None:
         return [axes.flat]
     return [info for info in (axes.ulysses, axes.ring) if info is not None]

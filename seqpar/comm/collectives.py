@@ -16,7 +16,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .groups import GroupInfo
+from .groups import GroupInfo, group_info
 from .p2p import PeerError, peer_error
 from .stats import CommStats, nbytes
 
@@ -33,6 +33,17 @@ def _named_failure(info: GroupInfo, name: str, peers=None):
         me = info.global_ranks[info.rank]
         who = [r for r in info.global_ranks if r != me] if peers is None else peers
         raise peer_error(exc, info, who, name) from exc
+
+
+@contextlib.contextmanager
+def peer_errors(group=None, name: str = "collective"):
+    """Around a ``torch.distributed`` collective called directly (a barrier, an all-reduce of counts,
+    ``broadcast_object_list``): a member that crashed, or stayed silent past the group's timeout,
+    raises a :class:`~seqpar.comm.PeerError` naming the group's other members instead of the
+    backend's bare error. ``group``: a ProcessGroup, None (the world) or a GroupInfo."""
+    info = group if isinstance(group, GroupInfo) else group_info(group)
+    with _named_failure(info, name):
+        yield
 
 
 def _all_gather_flat(out, flat, group):

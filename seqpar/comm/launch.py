@@ -39,7 +39,8 @@ def progress_track(items, description: str, enabled: bool = True):
 @contextlib.contextmanager
 def launched_process_group():
     """For ranks started by a launcher (torchrun): the default process group for the body, NCCL on
-    the local GPU when CUDA is available, else gloo. One created here is destroyed on exit, after a
+    the local GPU (with gloo beside it for CPU tensors: seqpar's rank-agreement check then costs no
+    device synchronisation) when CUDA is available, else gloo. One created here is destroyed on exit, after a
     barrier when the body succeeded, so no rank tears down its connections while another one still
     talks (gloo aborts a rank whose peer vanished mid-teardown). One that already existed is kept."""
     owned = not dist.is_initialized()
@@ -49,7 +50,7 @@ def launched_process_group():
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     ok = False
     try:
         yield

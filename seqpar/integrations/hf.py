@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm import group_info
+from ..comm.collectives import peer_errors
 from ..layouts import shard
 from ..methods import method as declared
 from ..softmax import attention
@@ -405,12 +406,14 @@ def context_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group=None
     if num_valid is None:
         count = (labels != IGNORE_INDEX).sum().to(torch.float64)
         if not info.single:
-            dist.all_reduce(count, group=info.group)
+            with peer_errors(info, "label count all-reduce"):
+                dist.all_reduce(count, group=info.group)
     else:
         count = torch.as_tensor(num_valid, dtype=torch.float64, device=local.device)
     count = count.clamp(min=1).to(local.device)
     total = local.detach().to(torch.float64).clone()
     if not info.single:
-        dist.all_reduce(total, group=info.group)
+        with peer_errors(info, "loss all-reduce"):
+            dist.all_reduce(total, group=info.group)
     share = local / count.to(local.dtype)
     return share + (total / count).to(local.dtype) - share.detach()

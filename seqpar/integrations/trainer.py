@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import peer_errors
 from ..comm.launch import launched_by_torchrun, launched_process_group, usable_cores
 from ..comm.pool import WorkerPool
 from .hf import apply_context_parallel
@@ -109,7 +110,7 @@ def _setup(cfg: TrainConfig) -> Runtime:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = torch.device("cpu")
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):  # "nccl" or "cpu:gloo,cuda:nccl"
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     cp = cfg.context_parallel
@@ -193,7 +194,8 @@ def _start(cfg: TrainConfig) -> _Run:
         apply_context_parallel(model, group=rt.cp_group, method=cfg.cp_method)
     mode = "adaptive" if cfg.adaptive else f"cp={cfg.context_parallel} ({cfg.cp_method}) x dp={rt.dp}"
     log.info(f"seqpar train: {rt.world} rank(s) on {rt.device.type}, {mode}; {sum(p.numel() for p in params):,} "
-             f"parameters; {batch} x {cfg.seq_len} tokens per step; data {files.root} ({len(files.paths)} files)")
+             f"parameters; {batch} x {cfg.seq_len} tokens per step; data {files.root} ({len(files.paths)} files, "
+             f"{run.data.per_epoch} sequences per epoch, its last {run.data.unused} tokens unused)")
     log.event({"event": "start", "config": cfg.to_dict(), "world": rt.world, "packed": True,
                "start_step": result.start_step})
     return run
@@ -220,8 +222,9 @@ def _record(run: _Run, step: int, loss: float, plan, lr: float, grad_norm: float
     mem = torch.tensor([peak_memory_mib(rt.device)], device=rt.device)
     cpu = torch.tensor([cpu_s], dtype=torch.float64, device=rt.device)
     if rt.world > 1:
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        dist.all_reduce(cpu)
+        with peer_errors(name="step record all-reduce"):
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            dist.all_reduce(cpu)
     rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": run.batch * cfg.seq_len,
            "step_time_s": dt, "tokens_per_s": run.batch * cfg.seq_len / dt, "peak_mem_mib": float(mem[0]),
            "cpu_s": float(cpu[0]), "world": rt.world,

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import peer_errors
 from ..methods import ADAPTIVE_METHODS
 from .hf import apply_context_parallel, shard_inputs
 from .trainer_step import token_loss
@@ -65,7 +66,8 @@ class AdaptiveRunner:
 
         box = [plan_batch(seq_lens, self.cluster, self.cost_model, methods=self.methods,
                           time_limit=self.time_limit) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        with peer_errors(name="plan broadcast"):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def use(self, work) -> None:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..comm.collectives import peer_errors
+
 COMPLETE = "COMPLETE"
 META = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -38,7 +40,8 @@ def _distributed() -> bool:
 
 def _barrier() -> None:
     if _distributed():
-        dist.barrier()
+        with peer_errors(name="checkpoint barrier"):
+            dist.barrier()
 
 
 def _rank0() -> bool:

@@ -207,8 +207,16 @@ def validate(cfg: TrainConfig, world: int) -> TextFiles:
     for flag, value in positive.items():
         if value < 1:
             raise ValueError(f"{flag}: expected a positive integer, got {value}")
-    if cfg.lr <= 0:
+    if not cfg.lr > 0:
         raise ValueError(f"--lr: expected a positive learning rate, got {cfg.lr}")
+    # values that would otherwise be read as something else: a negative clip as "off", a negative
+    # warmup as "no warmup" with the cosine past its end
+    for flag, value in (("--grad-clip", cfg.grad_clip), ("--weight-decay", cfg.weight_decay),
+                        ("--warmup", cfg.warmup)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"{flag}: expected a non-negative number, got {value}")
+    if not cfg.timeout > 0:
+        raise ValueError(f"--timeout: expected a positive number of seconds, got {cfg.timeout}")
     if cfg.save_every < 0 or (cfg.save_every and not cfg.save):
         raise ValueError("--save-every: needs --save DIR and a non-negative number of steps")
     if cfg.threads is not None and cfg.threads < 1:

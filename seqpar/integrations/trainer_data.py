@@ -55,8 +55,9 @@ class TextFiles:
                 path = Path(dirpath) / name
                 try:
                     size = path.stat().st_size
-                except OSError:
-                    continue
+                except OSError as exc:  # e.g. a broken link: say so rather than train on less data
+                    raise ValueError(f"{argument}: cannot read {path} ({exc}); remove it or narrow "
+                                     f"--data-glob") from None
                 if size > 0 and path.is_file():
                     found.append((path.relative_to(base).as_posix(), size))
         if not found:
@@ -106,6 +107,7 @@ class PackedSequences:
         self.files, self.seq_len, self.seed = files, seq_len, seed
         self.lengths = [s + 2 for s in files.sizes]
         self.per_epoch = sum(self.lengths) // seq_len
+        self.unused = sum(self.lengths) - self.per_epoch * seq_len  # the epoch's tail (logged at start)
         self._epoch: tuple[int, list[int], list[int]] | None = None  # (epoch, order, starts)
 
     def _order(self, epoch: int) -> tuple[list[int], list[int]]:

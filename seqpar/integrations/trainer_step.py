@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..comm.collectives import peer_errors
 from .hf import IGNORE_INDEX, shard_inputs
 from .trainer_config import TrainConfig
 
@@ -56,7 +57,8 @@ def all_reduce_grads(params: list[torch.nn.Parameter], extra: torch.Tensor) -> t
             size += p.numel()
             continue
         flat = torch.cat([q.grad.reshape(-1).float() for q in bucket] + ([extra] if p is None else []))
-        dist.all_reduce(flat)
+        with peer_errors(name="gradient all-reduce"):
+            dist.all_reduce(flat)
         offset = 0
         for q in bucket:
             q.grad.copy_(flat[offset:offset + q.numel()].view_as(q.grad))
@@ -115,7 +117,8 @@ def static_step(cfg: TrainConfig, rt: Runtime, data, model, params, batch: int, 
                                    group=rt.cp_group, method=cfg.cp_method))
     count = torch.tensor([float(sum(b.num_valid for b in shards))], dtype=torch.float64, device=rt.device)
     if rt.world > 1:
-        dist.all_reduce(count)  # the global number of labels normalises every rank's share
+        with peer_errors(name="label count all-reduce"):
+            dist.all_reduce(count)  # the global number of labels normalises every rank's share
     loss_sum = forward_backward(model, shards, float(count.clamp(min=1)), autocast)
     maybe_crash(cfg, rt.rank, step)
     return float(all_reduce_grads(params, loss_sum.float().reshape(1))[0]) / float(count.clamp(min=1))

@@ -12,13 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..comm import CommStats
-from ..comm.agreement import (
-    agreed,
-    agreement_groups,
-    check_ranks_enabled,
-    offsets_fingerprint,
-    shape_of,
-)
+from ..comm.agreement import agreed, agreement_groups, check_ranks_enabled
+from ..comm.fingerprint import call_fields
 from ..methods import method as declared
 from .packed import PackedLayout
 from .placement import placement
@@ -47,22 +42,22 @@ def _check_packed_method(method: str, cu_seqlens) -> None:
             "linear attention call")
 
 
-def _check_ranks(entry, x, group, method, dim, cu_seqlens, ulysses_degree, ring_method) -> None:
-    """The cross-rank agreement gather of :mod:`seqpar.comm.agreement` for shard/unshard: the local
-    checks that need no tensor geometry first (an error on some ranks only stops every rank), then
-    shape, dtype, dim, method and cu_seqlens compared across ranks."""
+def _check_ranks(entry: str, arguments: dict) -> None:
+    """The cross-rank agreement of :mod:`seqpar.comm.agreement` for shard/unshard: the local checks
+    that need no tensor geometry first (an error on some ranks only stops every rank), then every
+    argument (shape, dtype, dim, method, cu_seqlens, group members ...) compared across ranks."""
+    x = arguments["x"] if "x" in arguments else arguments["x_local"]
+    group, method = arguments["group"], arguments["method"]
+    ulysses_degree, ring_method = arguments["ulysses_degree"], arguments["ring_method"]
 
     def local_checks() -> None:
         placement(method, group, ulysses_degree=ulysses_degree, ring_method_name=ring_method)
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
 
-    fields = {"method": repr(method), "x of shape": shape_of(x), "dtype": str(getattr(x, "dtype", None)),
-              "dim": repr(dim), "cu_seqlens": offsets_fingerprint(cu_seqlens),
-              "ulysses_degree": repr(ulysses_degree), "ring_method": repr(ring_method)}
     usp = isinstance(method, str) and method == "usp"
-    agreed(agreement_groups(group, usp=usp, ulysses_degree=ulysses_degree), entry, fields, local_checks,
-           device=x.device if isinstance(x, torch.Tensor) and x.is_cuda else None)
+    agreed(agreement_groups(group, usp=usp, ulysses_degree=ulysses_degree), entry, call_fields(arguments),
+           local_checks, device=x.device if isinstance(x, torch.Tensor) and x.is_cuda else None)
 
 
 def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int = 1, cu_seqlens=None,
@@ -90,10 +85,11 @@ def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int 
         ``x`` restricted to this rank's tokens along ``dim``: ``T_local = T_global / N`` tokens.
         Purely local (no communication) unless ``check_ranks``.
     """
+    arguments = dict(locals())
     if check_ranks is not False:
         if check_ranks is not True:
             raise ValueError(f"check_ranks: expected True or False, got {check_ranks!r}")
-        _check_ranks("seqpar.shard", x, group, method, dim, cu_seqlens, ulysses_degree, ring_method)
+        _check_ranks("seqpar.shard", arguments)
     _check_dim(x, dim, "x")
     where = placement(method, group, ulysses_degree=ulysses_degree, ring_method_name=ring_method)
     _check_packed_method(method, cu_seqlens)
@@ -106,13 +102,15 @@ def unshard(x_local: torch.Tensor, *, group=None, method: str = "zigzag_ring", d
     """Gather every rank's part and restore global token order; every rank gets the full tensor.
 
     Inverse of :func:`shard`: ``unshard(shard(x)) == x`` exactly. ``x_local`` must have the same
-    shape on every rank. This is a collective over ``group``. ``check_ranks`` (None = the
-    environment variable ``SEQPAR_CHECK_RANKS=1``, read at each call): first check with one small
-    all-gather that every rank passed the same shape, dtype, dim, method and cu_seqlens; every rank
-    then raises the same ValueError naming the disagreeing rank instead of gathering mismatched buffers.
+    shape on every rank. This is a collective over ``group``. ``check_ranks`` (None = on, unless the
+    environment variable ``SEQPAR_CHECK_RANKS=0``, read at each call): first check with one exchange
+    of 32 bytes per rank that every rank passed the same arguments (shape, dtype, dim, method,
+    cu_seqlens, group members); every rank then raises a ValueError naming the disagreeing rank and
+    argument instead of gathering mismatched buffers (which aborts a gloo process). ``False`` skips it.
     """
+    arguments = dict(locals())
     if check_ranks_enabled(check_ranks):
-        _check_ranks("seqpar.unshard", x_local, group, method, dim, cu_seqlens, ulysses_degree, ring_method)
+        _check_ranks("seqpar.unshard", arguments)
     _check_dim(x_local, dim, "x_local")
     where = placement(method, group, ulysses_degree=ulysses_degree, ring_method_name=ring_method)
     _check_packed_method(method, cu_seqlens)

@@ -6,13 +6,8 @@ import math
 
 import torch
 
-from ..comm.agreement import (
-    agreed,
-    check_ranks_enabled,
-    check_same_on_ranks,
-    offsets_fingerprint,
-    shape_of,
-)
+from ..comm.agreement import agreed, check_ranks_enabled, check_same_on_ranks
+from ..comm.fingerprint import call_fields
 from ..comm.groups import group_info
 from ..comm.stats import CommStats
 from .geometry import build_shard, check_cu_seqlens
@@ -106,15 +101,18 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     (zero elsewhere), so summing it over the group (as for any replicated tensor) gives the full one.
     Computation is in float32 (float64 for float64 inputs); gradients come back in the inputs' dtypes.
 
-    ``check_ranks``: first check, with one all-gather of an 8 KB fingerprint, that every rank passed
-    the same shapes, dtypes, method, scale, initial_state shape, output_final_state and cu_seqlens
-    (:mod:`seqpar.comm.agreement`); on a mismatch, or a ValueError on some ranks only (e.g. a positive
-    ``g`` on one rank), every rank raises the same ValueError naming the rank(s) instead of hanging.
-    None (default) = the environment variable ``SEQPAR_CHECK_RANKS=1``, read at each call.
+    ``check_ranks``: check first, with one exchange of 32 bytes per rank (on the CPU when the group
+    takes CPU tensors), that every rank passed the same arguments (every argument but ``stats``:
+    shapes, dtypes, method, scale, initial_state, output_final_state, cu_seqlens, group members;
+    :mod:`seqpar.comm.agreement`); on a mismatch, or a ValueError on some ranks only (e.g. a positive
+    ``g`` on one rank), every rank raises a ValueError naming the rank(s) and argument instead of
+    hanging or returning a wrong result. None (default): on, unless ``SEQPAR_CHECK_RANKS=0`` (read
+    at each call); ``False`` skips it, with that risk.
 
     Raises ``ValueError`` naming the argument before any communication for bad input;
     :class:`seqpar.PeerError` when a peer rank crashes or times out during the call.
     """
+    arguments = dict(locals())  # every parameter: the rank agreement covers an option added later too
     info = group_info(group)
     args = (method, scale, initial_state, output_final_state, cu_seqlens, stats, backend)
     if not check_ranks_enabled(check_ranks):
@@ -123,21 +121,10 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             # for softmax attention); different offsets would silently mix documents across ranks
             check_same_on_ranks(prepared[2], group, device=q.device if q.is_cuda else None)
         return _launch(q, k, v, g, initial_state, *prepared)
-    prepared = agreed(info, "seqpar.linear_attention", _fingerprint(q, k, v, g, *args),
+    prepared = agreed(info, "seqpar.linear_attention", call_fields(arguments),
                       lambda: _prepare(q, k, v, g, info, *args),
                       device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
     return _launch(q, k, v, g, initial_state, *prepared)
-
-
-def _fingerprint(q, k, v, g, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend):
-    """What every rank of the group must pass identically."""
-    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, g, initial_state))
-    return {"method": repr(method), "q of shape": shape_of(q), "k of shape": shape_of(k), "v of shape": shape_of(v),
-            "g of shape": shape_of(g), "dtypes (q, k, v, g)": ", ".join(str(getattr(t, "dtype", None))
-                                                                      for t in (q, k, v, g)),
-            "initial_state of shape": shape_of(initial_state), "scale": repr(scale),
-            "output_final_state": repr(output_final_state), "cu_seqlens": offsets_fingerprint(cu_seqlens),
-            "backend": repr(backend), "inputs that need gradients (backward will run)": repr(grad)}
 
 
 def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend):

@@ -17,10 +17,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from .._version import __version__
-from .cluster import ClusterSpec
+from .cluster import ClusterSpec, check_file_keys
 from .cost import CostModel
 
 FORMAT = "seqpar-calibration"
+
+
+#: the keys save_calibration writes (read back: cluster and cost_model; the rest is a record)
+_KEYS = frozenset({"format", "version", "cluster", "cost_model", "measurements", "machine", "versions", "command"})
 
 
 def save_calibration(path: str | Path, cluster: ClusterSpec, cost_model: CostModel, *,
@@ -53,6 +57,7 @@ def load_calibration(path: str | Path) -> tuple[ClusterSpec, CostModel]:
     if not isinstance(data, dict) or "cluster" not in data or "cost_model" not in data:
         raise ValueError(f"{source}: expected an object with 'cluster' and 'cost_model' (the output of "
                          f"'seqpar calibrate'); a bare cost model loads with CostModel.load")
+    check_file_keys(data, _KEYS, source)
     cluster = ClusterSpec.from_dict(data["cluster"], source=f"{source}: cluster")
     cost = CostModel.from_dict(data["cost_model"], source=f"{source}: cost_model")
     return cluster, cost

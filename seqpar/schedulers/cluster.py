@@ -372,6 +372,15 @@ def _size_table(name: str, entries, width: int) -> tuple:
     return tuple((d, *k) for d, k in sorted(table.items()))
 
 
+def check_file_keys(data: dict, known, source: str) -> None:
+    """A model or calibration file's top-level keys are ``known`` and its version 1: a misspelt key
+    would otherwise be ignored (its values replaced by defaults), a newer file read as this one."""
+    unknown = sorted(set(data) - set(known))
+    if unknown or data.get("version", 1) != 1:
+        raise ValueError(f"{source}: unknown key(s) {unknown} or version {data.get('version')!r}: this seqpar "
+                         f"reads version 1 with keys {', '.join(sorted(known))}; re-create the file")
+
+
 def _lookup(table: tuple, group_size: int, default: tuple) -> tuple:
     """The factors of ``group_size`` in a :func:`_size_table`: that size, else the nearest below, else above."""
     if not table:

@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 
 from ..methods import BY_PREFERENCE
 from ..methods import method as declared
-from .cluster import ClusterSpec, _lookup, _size_table, is_power_of_two
+from .cluster import ClusterSpec, _lookup, _size_table, check_file_keys, is_power_of_two
 from .cost_comm import comm_parts, method_buffers
 from .schedule_terms import attention_factor, heads_factor
 
@@ -356,6 +356,7 @@ class CostModel:
             data = data["cost_model"]
         if not isinstance(data, dict) or not isinstance(data.get("methods"), dict):
             raise ValueError(f"{source}: expected an object with a 'methods' object")
+        check_file_keys(data, ("format", "version", "model", "methods"), source)
         model = data.get("model", {})
         if not isinstance(model, dict):
             raise ValueError(f"{source}: 'model' must be an object")

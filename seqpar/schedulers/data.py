@@ -18,6 +18,7 @@ documents: a long-context mixture where most documents are short and a few fill 
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 from typing import Sequence
 
@@ -126,27 +127,46 @@ def sample_tokens(total_tokens: int, seed: int = 0, dist: str = "stdlib-mix",
 
 
 def max_fitting_length(cluster: ClusterSpec, cost_model: CostModel, methods: Sequence[str] | None = None) -> int:
-    """Longest sequence that fits memory on the largest group with the best of ``methods``."""
+    """Longest sequence that fits memory on some group of the cluster (every group size it allows)
+    with the best of ``methods``: 0 when none fits even one token, ``sys.maxsize`` when a method's
+    memory does not grow with the length. (Only the largest group used to be looked at, where
+    Ulysses cannot run when the group is larger than its heads: every length then became 1.)"""
     methods = cost_model.default_methods() if methods is None else methods
-    d = cluster.max_group_size
     best = 0.0
-    for m in methods:
-        if cost_model.supports(m, d):
+    for d in cluster.group_sizes():
+        for m in methods:
+            if not cost_model.supports(m, d):
+                continue
             c = cost_model.group_coeffs(m, d, cluster)
-            if c.mem_lin > 0:
-                best = max(best, (cluster.memory_per_rank - c.mem_const) / c.mem_lin)
-    return int(best)
+            room = cluster.memory_per_rank - c.mem_const
+            if room > 0:
+                best = max(best, room / c.mem_lin if c.mem_lin > 0 else float(sys.maxsize))
+    return int(min(best, sys.maxsize))
 
 
 def fit_to_cluster(lens: Sequence[int], cluster: ClusterSpec, cost_model: CostModel,
                    tokens_per_rank: float | None = None, methods: Sequence[str] | None = None) -> np.ndarray:
     """Scale lengths so the batch holds ``tokens_per_rank · world_size`` tokens (keeping the shape of
-    the distribution), then cap each at 90% of :func:`max_fitting_length` so the batch can be
-    planned. ``tokens_per_rank=None`` only caps."""
+    the distribution; each scaled length is rounded to whole tokens, at least 1), and check that
+    every one fits memory on some group with ``methods`` (:func:`max_fitting_length`).
+    ``tokens_per_rank=None`` only checks. Nothing is cut: a length that does not fit raises a
+    ``ValueError`` naming the longest length that would."""
     out = np.asarray(lens, dtype=np.float64)
     if tokens_per_rank is not None:
         if not tokens_per_rank > 0:
             raise ValueError(f"tokens_per_rank={tokens_per_rank!r}: expected a positive number")
         out = out * (tokens_per_rank * cluster.world_size / out.sum())
-    cap = 0.9 * max_fitting_length(cluster, cost_model, methods)
-    return np.maximum(1, np.minimum(np.round(out), cap)).astype(np.int64)
+    out = np.maximum(1, np.round(out)).astype(np.int64)
+    fit = max_fitting_length(cluster, cost_model, methods)
+    chosen = ", ".join(cost_model.default_methods() if methods is None else methods)
+    if fit < 1:
+        raise ValueError(f"methods: no group of {cluster.world_size} ranks ({cluster.memory_per_rank / 1e9:g} GB "
+                         f"per rank) can hold even one token with {chosen}; allow other methods or add memory")
+    too_long = int((out > fit).sum())
+    if too_long:
+        scaled = f" after scaling to tokens_per_rank={tokens_per_rank:g}" if tokens_per_rank is not None else ""
+        raise ValueError(f"seq_lens: {too_long} of {len(out)} sequences{scaled} are longer than {fit:,} tokens, the "
+                         f"longest that fits memory on a group of this cluster with {chosen} (the longest is "
+                         f"{int(out.max()):,}); lower the lengths (or tokens_per_rank), allow other methods, or add "
+                         "memory or ranks")
+    return out

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import peer_errors
 from ..comm.groups import collective_device
 from ..layouts import packed_layout, shard, unshard
 from ..softmax import attention
@@ -257,7 +258,8 @@ def _reduce_grads(params: list[torch.Tensor], group=None, bucket: int = _GRAD_BU
                 size += p.numel()
                 continue
             flat = torch.cat([q.grad.reshape(-1) for q in chunk])
-            dist.all_reduce(flat, group=group)
+            with peer_errors(group, "gradient all-reduce"):
+                dist.all_reduce(flat, group=group)
             offset = 0
             for q in chunk:
                 n = q.grad.numel()
@@ -298,7 +300,8 @@ def train_step(plan: Plan, seq_lens: Sequence[int], rank: int, groups: GroupCach
             raise ValueError("loss_fn: expected (scalar loss tensor, token count)")
         stats = torch.stack([loss_sum.detach().to(device, dtype), torch.tensor(float(count), dtype=dtype,
                                                                                 device=device)])
-    dist.all_reduce(stats, group=world_group)
+    with peer_errors(world_group, "loss all-reduce"):
+        dist.all_reduce(stats, group=world_group)
     total_loss, total_tokens = float(stats[0]), float(stats[1])
     if total_tokens <= 0:
         raise ValueError("train_step: the batch has no loss tokens (every num_tokens was 0)")

@@ -13,14 +13,14 @@ from ..comm.agreement import (
     agreement_groups,
     check_ranks_enabled,
     check_same_on_ranks,
-    offsets_fingerprint,
-    shape_of,
 )
+from ..comm.fingerprint import call_fields
 from ..comm.usp_groups import describe_usp
 from ..kernels import available_backends, check_qkv, select_backend
 from ..layouts import PackedLayout, check_cu_seqlens, placement
 from ..methods import Method, check_usp_options, names
 from ..methods import method as declared
+from .checkpoint import active_tape
 from .executor import RingAttention, RingConfig
 from .packed import packed_schedule
 from .registry import dense_plan
@@ -131,12 +131,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             a 2-D mesh, a ``(ulysses_group, ring_group)`` pair or ``make_usp_groups(...)`` fix
             it) and the ring-family method across the ring axis (default ``"zigzag_ring"``).
             Pass the same ``group``/``ulysses_degree``/``ring_method`` to ``seqpar.shard``.
-        check_ranks: first check, with one all-gather of an 8 KB fingerprint, that every rank of the
-            group passed the same shapes, dtypes, method, causal, softmax_scale, backend and
-            cu_seqlens (:mod:`seqpar.comm.agreement`); on a mismatch, or a ValueError on some ranks
-            only, every rank raises the same ValueError naming the disagreeing rank(s) and argument
-            instead of hanging. None (default) = the environment variable ``SEQPAR_CHECK_RANKS=1``
-            (read at each call). With it on, the cu_seqlens comparison is part of that one gather.
+        check_ranks: check first, with one exchange of 32 bytes per rank (on the CPU when the
+            group takes CPU tensors), that every rank of the group passed the same arguments: every
+            argument but ``stats`` (shapes, dtypes, method, causal, cu_seqlens, group members, every
+            option; :mod:`seqpar.comm.agreement`). On a mismatch, or a ValueError on some ranks only,
+            every rank raises a ValueError naming the disagreeing rank(s) and argument instead of
+            hanging, aborting or returning a wrong result. None (default): on, unless the
+            environment variable ``SEQPAR_CHECK_RANKS=0`` (read at each call). ``False`` skips it:
+            then ranks that disagree may hang, have gloo abort their process, or return garbage.
         sinks: attention sinks (gpt-oss): a float32 ``[Hq]`` tensor, usually a parameter; head h's
             softmax denominator gets ``exp(sinks[h])`` with no value attached (:mod:`.sinks`).
             Every method; applied after the merge of all steps (no extra communication). Its
@@ -147,15 +149,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     shapes, dtypes, method, backend or lengths. Raises :class:`seqpar.PeerError` when a peer rank
     crashes or times out during the call.
     """
+    arguments = dict(locals())  # every parameter: the rank agreement covers an option added later too
     opts = dict(group=group, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                 backend=backend, stats=stats, grad_comm_dtype=grad_comm_dtype, ulysses_degree=ulysses_degree,
                 ring_method=ring_method, sinks=sinks)
-    if not check_ranks_enabled(check_ranks):
-        call = _prepare(q, k, v, same_offsets_check=True, **opts)
+    tape = active_tape()
+    if not check_ranks_enabled(check_ranks) or (tape is not None and tape.replaying):
+        # (a checkpoint's recomputation replays a call whose arguments the forward checked; the tape
+        # verifies that the shapes are the same)
+        call = _prepare(q, k, v, same_offsets_check=tape is None or not tape.replaying, **opts)
     else:
         # the fingerprint carries cu_seqlens: no separate offsets gather
         call = agreed(agreement_groups(group, usp=method == "usp", ulysses_degree=ulysses_degree), "seqpar.attention",
-                      _fingerprint(q, k, v, **opts), lambda: _prepare(q, k, v, same_offsets_check=False, **opts),
+                      _fingerprint(arguments), lambda: _prepare(q, k, v, same_offsets_check=False, **opts),
                       device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
     return FAMILIES[call.spec.family](q.contiguous(), k.contiguous(), v.contiguous(), call)
 
@@ -194,20 +200,18 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
                     channels=channels, packed=packed, sinks=sinks)
 
 
-def _fingerprint(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
-                 ulysses_degree, ring_method, sinks=None) -> dict[str, object]:
-    """What every rank of the group must pass identically (shapes are per rank: T_local agrees too)."""
-    tensors = (q, k, v)
-    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
-    return {
-        "method": repr(method), "q of shape": shape_of(q), "k of shape": shape_of(k), "v of shape": shape_of(v),
-        "dtypes (q, k, v)": ", ".join(str(getattr(t, "dtype", None)) for t in tensors),
-        "tensors on device type": getattr(getattr(q, "device", None), "type", None),
-        "causal": repr(causal), "softmax_scale": repr(softmax_scale), "cu_seqlens": offsets_fingerprint(cu_seqlens),
-        "backend": repr(backend), "grad_comm_dtype": repr(grad_comm_dtype), "ulysses_degree": repr(ulysses_degree),
-        "ring_method": repr(ring_method), "inputs that need gradients (backward will run)": repr(grad),
-        "sinks of shape": shape_of(sinks),
-    }
+def _fingerprint(arguments: dict) -> dict[str, str]:
+    """What every rank of the group must pass identically: every argument (shapes are per rank, so
+    T_local agrees too), and for usp the arrangement resolved from group and ulysses_degree (its
+    default comes from each rank's LOCAL_WORLD_SIZE)."""
+    derived = {}
+    if arguments["method"] == "usp":
+        try:
+            axes = describe_usp(arguments["group"], arguments["ulysses_degree"])
+            derived["usp arrangement (ulysses x ring)"] = f"{axes.ulysses_degree} x {axes.ring_degree}"
+        except Exception as exc:  # noqa: BLE001 - the local checks report it; the fingerprint never fails
+            derived["usp arrangement (ulysses x ring)"] = f"invalid ({exc})"
+    return call_fields(arguments, derived)
 
 
 @dataclass(frozen=True)
@@ -248,7 +252,7 @@ class SequenceParallelAttention(torch.nn.Module):
 
     ``forward(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], cu_seqlens=None, stats=None, sinks=None)
     -> [B, T_local, Hq, D]`` (``sinks``: the layer's ``[Hq]`` parameter, owned by the caller).
-    ``check_ranks`` as in :func:`attention` (None: the ``SEQPAR_CHECK_RANKS`` environment variable).
+    ``check_ranks`` as in :func:`attention` (None: on, unless ``SEQPAR_CHECK_RANKS=0``).
     """
 
     def __init__(self, *, group=None, method: str = "zigzag_ring", causal: bool = False,
