@@ -28,7 +28,7 @@ from ..methods import BY_PREFERENCE
 from ..methods import method as declared
 from .cluster import ClusterSpec, _lookup, _size_table, check_file_keys, is_power_of_two
 from .cost_comm import comm_parts, method_buffers
-from .schedule_terms import attention_factor, heads_factor
+from .schedule_terms import attention_factor
 
 #: every method the cost model knows, in the planner's order of preference (seqpar.methods)
 KNOWN_METHODS = BY_PREFERENCE
@@ -290,9 +290,8 @@ class CostModel:
         with the k_rest / k_attn of :attr:`MethodCost.group_scale` and :attr:`MethodCost.kernel_scale`."""
         c, d = self.coeffs(method), group_size
         ka, kr = c.scale(d)
-        heads = heads_factor(method, d, self.n_heads, ranks_per_node)
         return (kr * slowdown * c.beta1, kr * slowdown * c.alpha2 / d,
-                ka * c.kernel(d) * c.alpha1 * attention_factor(method, d, slowdown, heads) / d)
+                ka * c.kernel(d) * c.alpha1 * attention_factor(method, d, slowdown, self.n_heads, ranks_per_node) / d)
 
     def comm_parts(self, method: str, d: int, cluster: ClusterSpec) -> tuple[list[tuple], float]:
         """Communication of one step per rank of a group of ``d``: see :func:`.cost_comm.comm_parts`."""

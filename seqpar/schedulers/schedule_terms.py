@@ -60,17 +60,20 @@ def _schedule_bytes(method: str, n: int, hq: int, hkv: int, head_dim: int, e: in
     return best
 
 
-def attention_factor(method: str, d: int, slowdown: float = 1.0, heads: float = 1.0) -> float:
+def attention_factor(method: str, d: int, slowdown: float = 1.0, n_heads: int | None = None,
+                     ranks_per_node: int | None = None) -> float:
     """Slowest rank's attention time over the perfectly divided single-rank time ``α1·S2/d``.
 
     With a device per rank (``slowdown == 1``) it is the schedule's :func:`causal_imbalance` times
-    ``heads``, the head imbalance of a head-sharded method (:func:`heads_factor`). When
+    the head imbalance of a head-sharded method with ``n_heads`` query heads (:func:`heads_factor`;
+    ``n_heads`` None: 1). When
     the d ranks share cores (each computing ``slowdown`` times slower when all are busy), a rank
     with less work finishes early and frees its core: the slowest rank then needs about
     ``max(its own work, the node's total work / effective cores)`` = ``max(imbalance, slowdown)``
     times the average work, not their product (contiguous ring on 8 ranks and 2 cores runs at the
     speed of the total work, its imbalance hidden by the oversubscription).
     """
+    heads = 1.0 if n_heads is None else heads_factor(method, d, n_heads, ranks_per_node)
     return max(causal_imbalance(method, d) * heads, slowdown)
 
 
