@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from .triton_target import device_guard
+
 # Whether the kernels below were decorated for Triton's CPU interpreter (decided at import time).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -183,7 +185,8 @@ def intra_fwd(q, k, v, b, scale: float) -> torch.Tensor:
     """Intra-chunk output ``scale * A @ v`` ``[n, H, C, V]`` (see :func:`linear_chunk.gla_intra`)."""
     grid, bb, meta = _launch_args(q, v, b)
     o = torch.empty_like(v)
-    _gla_intra_fwd_kernel[grid](q.contiguous(), k.contiguous(), v.contiguous(), bb, o, float(scale), **meta)
+    with device_guard(q):
+        _gla_intra_fwd_kernel[grid](q.contiguous(), k.contiguous(), v.contiguous(), bb, o, float(scale), **meta)
     return o
 
 
@@ -192,6 +195,7 @@ def intra_bwd(q, k, v, b, do, scale: float):
     ``q*dq - k*dk`` in :func:`linear_chunk.gla_bwd_finish`)."""
     grid, bb, meta = _launch_args(q, v, b)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _gla_intra_bwd_kernel[grid](q.contiguous(), k.contiguous(), v.contiguous(), bb, do.contiguous(),
-                                dq, dk, dv, float(scale), **meta)
+    with device_guard(q):
+        _gla_intra_bwd_kernel[grid](q.contiguous(), k.contiguous(), v.contiguous(), bb, do.contiguous(),
+                                    dq, dk, dv, float(scale), **meta)
     return dq, dk, dv

@@ -41,7 +41,6 @@ for tests).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -52,6 +51,7 @@ import torch
 import triton
 
 from . import triton_attention_kernels as kern
+from . import triton_target
 
 # Triton itself reads this variable when it is imported.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -62,42 +62,26 @@ MASKS = ("none", "causal", "causal_strict")
 ALIGNS = ("top_left", "bottom_right")
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+def _autotune(kernel: str, jit_fn, key_extra=(), restore_value=None):
+    """Autotune over every configuration of ``kernel`` (triton_target.CONFIGS), pruned at launch to
+    the table of the dtype and head dim that fits the device."""
+    if INTERPRET:
+        # The interpreter's autotuner fails with several configs; 16x16 blocks make
+        # tiny test shapes cross block boundaries, masks and padding.
+        configs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    else:
+        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+                   for bm, bn, w, st in triton_target.all_configs(kernel)]
+    key = ["seq_bucket", "GROUP", "HEAD_DIM", "IS_VARLEN", "IS_CAUSAL", "HAS_WINDOW", *key_extra]
+    return triton.autotune(configs, key=key, restore_value=restore_value,
+                           prune_configs_by={"early_config_prune": triton_target.pruner(kernel)})(jit_fn)
 
 
-if INTERPRET:
-    # The interpreter's autotuner fails with several configs; 16x16 blocks make
-    # tiny test shapes cross block boundaries, masks and padding.
-    _FWD_CONFIGS = _DQ_CONFIGS = _DKDV_CONFIGS = [_cfg(16, 16, 4, 1)]
-else:
-    _FWD_CONFIGS = [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3),
-                    _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 4), _cfg(64, 32, 4, 2)]
-    _DQ_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3),
-                   _cfg(64, 32, 4, 2)]
-    _DKDV_CONFIGS = [_cfg(32, 128, 4, 3), _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3),
-                     _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 2)]
-
-
-def _prune(configs, named_args, **kwargs):
-    """D = 256 tiles do not fit shared memory with the larger blocks."""
-    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 0))
-    if bd <= 128:
-        return configs
-    small = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
-    return small or configs[-1:]
-
-
-_KEY = ["seq_bucket", "GROUP", "HEAD_DIM", "IS_VARLEN", "IS_CAUSAL", "HAS_WINDOW"]
-_PRUNE = {"early_config_prune": _prune}
 # restore_value: tuning runs the kernel several times; in accumulate mode
 # Out/Lse are read-modify-write, so they must be restored between trials.
-_fwd_kernel = triton.autotune(_FWD_CONFIGS, key=_KEY + ["ACCUMULATE"], prune_configs_by=_PRUNE,
-                              restore_value=["Out", "Lse"])(kern.attn_fwd_kernel)
-_dq_kernel = triton.autotune(_DQ_CONFIGS, key=_KEY, prune_configs_by=_PRUNE)(
-    kern.attn_bwd_dq_kernel)
-_dkdv_kernel = triton.autotune(_DKDV_CONFIGS, key=_KEY, prune_configs_by=_PRUNE)(
-    kern.attn_bwd_dkdv_kernel)
+_fwd_kernel = _autotune("fwd", kern.attn_fwd_kernel, ["ACCUMULATE"], ["Out", "Lse"])
+_dq_kernel = _autotune("dq", kern.attn_bwd_dq_kernel)
+_dkdv_kernel = _autotune("dkdv", kern.attn_bwd_dkdv_kernel)
 
 
 # --------------------------------------------------------------------- packing
@@ -179,8 +163,9 @@ class PackedSeqs:
 # ------------------------------------------------------------------ validation
 def refusal(q, k, v, *, mask: str = "none", scale=None, causal_offset: int = 0,
             align: str = "top_left", window_left: int | None = None,
-            packed: PackedSeqs | None = None) -> str | None:
-    """Why the Triton kernel cannot serve this call, or ``None`` if it can."""
+            packed: PackedSeqs | None = None, backward: bool = False) -> str | None:
+    """Why the Triton kernel cannot serve this call (its backward if ``backward``), or ``None``.
+    On a GPU that includes "no configuration fits the shared memory of sm_XX"."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
@@ -208,7 +193,8 @@ def refusal(q, k, v, *, mask: str = "none", scale=None, causal_offset: int = 0,
             return f"{name} dtype {t.dtype} != q dtype {q.dtype}"
         if t.device != q.device:
             return f"{name} is on {t.device}, q on {q.device}"
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and INTERPRET):
+    target = triton_target.device_target(q.device)
+    if target is None and not (q.device.type == "cpu" and INTERPRET):
         return f"runs on CUDA (or CPU under TRITON_INTERPRET=1), not on {q.device.type}"
     if mask not in MASKS:
         return f"mask={mask!r}: use one of {MASKS}"
@@ -231,7 +217,8 @@ def refusal(q, k, v, *, mask: str = "none", scale=None, causal_offset: int = 0,
                         "tokens: the last offset must equal the total length")
         if packed.cu_seqlens_q.device != q.device:
             return f"packed was built for {packed.cu_seqlens_q.device}, q is on {q.device}"
-    return None
+    return triton_target.no_fit_reason(("dq", "dkdv") if backward else ("fwd",), q.element_size(),
+                                       _block_d(d), target)
 
 
 def _require(reason: str | None) -> None:
@@ -276,13 +263,13 @@ def _new(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     return like.new_empty(tuple(shape), dtype=dtype)
 
 
-def _device(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
 
 
 def _meta(q4, k4, cu_q, max_q, causal, bottom_right, window):
     d = q4.shape[-1]
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = _block_d(d)
     return dict(
         GROUP=q4.shape[2] // k4.shape[2], HEAD_DIM=d, BLOCK_D=block_d,
         IS_VARLEN=cu_q is not None, IS_CAUSAL=causal, BOTTOM_RIGHT=bottom_right,
@@ -309,7 +296,7 @@ def _launch_fwd(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, offs
     def grid(m):
         return (triton.cdiv(max_q, m["BLOCK_M"]), q.shape[2], n_docs)
 
-    with _device(q):
+    with triton_target.device_guard(q):
         _fwd_kernel[grid](
             q, k, v, out, lse, cq, ck, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *out.stride()[:3], lse.stride(0), lse.stride(1), q.shape[1], k.shape[1], scale,
@@ -325,7 +312,7 @@ def _launch_bwd(dout, q, k, v, out, lse, delta, dlse, cu_q, cu_k, max_q, max_k, 
     meta, bucket = _meta(q, k, cu_q, max_q, causal, bottom_right, window)
     lse = lse.float().contiguous()
     b_mem, t_mem, hq, d = q.shape
-    with _device(q):
+    with triton_target.device_guard(q):
         if delta is None:
             delta = _new(lse, lse.shape)
             dl = None if dlse is None else dlse.float().contiguous()
@@ -478,7 +465,7 @@ def triton_attention_backward(dout, q, k, v, out, lse, *, scale: float | None = 
     out)`` (fp32, shaped like ``lse``) is given instead.
     """
     _require(refusal(q, k, v, mask=mask, scale=scale, causal_offset=causal_offset, align=align,
-                     window_left=window_left, packed=packed))
+                     window_left=window_left, packed=packed, backward=True))
     lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0])
     checks = (("dout", dout, tuple(q.shape)), ("out", out, tuple(q.shape)),
               ("lse", lse, lse_shape), ("delta", delta, lse_shape))

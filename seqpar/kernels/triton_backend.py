@@ -3,7 +3,8 @@
 without triton installed.
 
 Capabilities: CUDA, fp16 / bf16 / fp32, head dims 1..256 (no multiple-of-8
-rule: the kernel pads D itself), GQA native, backward from ``delta`` alone
+rule: the kernel pads D itself) where a kernel configuration fits the
+device's shared memory (see :mod:`seqpar.kernels.triton_target`), GQA native, backward from ``delta`` alone
 (no ``out`` needed), causal in any alignment (dispatch only ever hands it
 top-left causal). Priority 35: above ``torch_cuda`` (30), below
 ``flash_attn`` (40).
@@ -81,7 +82,9 @@ class TritonBackend(Backend):
             return "bfloat16 needs compute capability >= 8.0"
         from .triton_attention import refusal
 
-        return refusal(q, k, v, mask="causal" if plan.causal else "none")
+        # Includes "no configuration fits the shared memory of sm_XX", per direction: a case whose
+        # backward does not fit the device may still run its forward here.
+        return refusal(q, k, v, mask="causal" if plan.causal else "none", backward=for_backward)
 
     def forward(self, q, k, v, *, scale: float, causal: bool):
         from .triton_attention import triton_attention_forward
