@@ -18,7 +18,10 @@ A :class:`Method` says what the rest of the library needs to know about a method
   1-D groups of ``seqpar train --adaptive`` for any head count), ``window`` (sliding windows,
   causal and symmetric: ``seqpar.attention(..., window=W)``; a ring-family method names its
   windowed plan builder in ``window_plan``, ``(rank, n, t_local, causal, transport, window) ->
-  plan``; usp serves a window when its ring method does).
+  plan``; usp serves a window when its ring method does), ``sinks`` (attention sinks,
+  ``seqpar.attention(sinks=)``), ``head_sharded`` (query heads are split over the ranks of the
+  Ulysses axis: any head count of at least that many ranks, as even as :func:`head_shards` makes
+  it, at a compute imbalance of :func:`head_imbalance`).
 - cost traits, read by :mod:`seqpar.schedulers.cost`: ``comm`` (the communication structure of
   its cost model), ``buffers`` (the per-token buffers a rank holds besides activations) and
   ``preference`` (the planner's tie-break: of two methods with equal modelled cost, the lower wins).
@@ -58,6 +61,8 @@ class Method:
     adaptive: bool = False
     window: bool = False
     window_plan: str | None = None
+    sinks: bool = True
+    head_sharded: bool = False
 
     def __post_init__(self) -> None:
         for field, value, allowed in (("family", self.family, FAMILIES), ("layout", self.layout, LAYOUTS),
@@ -110,20 +115,21 @@ DECLARED: tuple[Method, ...] = (
            causal_balanced=False, window=True, window_plan="seqpar.softmax.lightseq:lightseq_window_plan",
            summary="contiguous causal, balanced by helper ranks that compute for the busiest (DistAttn)."),
     Method("ulysses", family="ulysses", layout="contiguous", transport="alltoall", plan=None, comm="alltoall",
-           buffers="head_shards", preference=1, window=True,
+           buffers="head_shards", preference=1, window=True, head_sharded=True,
            summary="all-to-all to head shards, full local attention, all-to-all back; KV heads sent only to "
                    "the ranks that use them (GQA)."),
     Method("usp", family="usp", layout="usp", transport="alltoall", plan=None, comm="alltoall_ring",
-           buffers="head_shards", preference=2, window=True,
+           buffers="head_shards", preference=2, window=True, head_sharded=True,
            summary="2-D: Ulysses inside one mesh axis, any ring-family method across the other "
                    "(ring_method=, ulysses_degree=)."),
     Method("zeco", family="linear", layout="contiguous", transport="chain", plan="zeco",
-           comm="state_pipelined_chain", buffers="none", preference=8,
+           comm="state_pipelined_chain", buffers="none", preference=8, sinks=False,
            summary="linear attention, All-Scan of one state per rank."),
     Method("lasp2", family="linear", layout="contiguous", transport="allgather", plan="lasp2",
-           comm="state_allgather", buffers="none", preference=9, summary="linear attention, all-gather of states."),
+           comm="state_allgather", buffers="none", preference=9, sinks=False,
+           summary="linear attention, all-gather of states."),
     Method("lasp1", family="linear", layout="contiguous", transport="chain", plan="lasp1", comm="state_chain",
-           buffers="none", preference=10, summary="linear attention, unpipelined state chain."),
+           buffers="none", preference=10, sinks=False, summary="linear attention, unpipelined state chain."),
 )
 
 #: softmax methods (``seqpar.METHODS``)
@@ -187,6 +193,27 @@ def check_window(decl: Method, window, ring_method_name=None) -> None:
         raise ValueError(f"window={window}: {what} does not serve a sliding window; use one of {', '.join(ok)}")
 
 
+def head_shards(hq: int, degree: int, what: str | None = None) -> tuple[int, ...]:
+    """Query heads per member of a head-sharded method's Ulysses axis of ``degree`` ranks: as even as
+    possible, the first ``hq % degree`` members one more (9 heads on 2 ranks: 5 + 4). ValueError
+    naming ``q``, ``what`` (the degree's origin) and the alternatives when a member would get none
+    (more ranks than heads)."""
+    if degree > hq:
+        fits = [u for u in range(1, degree + 1) if degree % u == 0 and u <= hq]
+        raise ValueError(
+            f"q: Hq={hq} query heads cannot be split over {what or f'{degree} ranks'} (every rank needs at "
+            f"least one query head): use method='usp' with a smaller ulysses_degree (one of {fits}, e.g. "
+            f"ulysses_degree={fits[-1]}), or a ring-family method such as 'zigzag_ring'")
+    base, extra = divmod(hq, degree)
+    return tuple(base + (m < extra) for m in range(degree))
+
+
+def head_imbalance(hq: int, degree: int) -> float:
+    """Most query heads on one rank over the mean (1.0 when ``degree`` divides ``hq``; 5/4.5 = 1.11
+    for 9 heads on 2 ranks): the attention compute of the slowest member relative to an even split."""
+    return max(head_shards(hq, degree)) * degree / hq
+
+
 def check_usp_options(name, ulysses_degree, ring_method_name) -> None:
     """ValueError when a usp-only option (``ulysses_degree``, ``ring_method``) is given to another method."""
     if name != "usp":
@@ -197,4 +224,4 @@ def check_usp_options(name, ulysses_degree, ring_method_name) -> None:
 
 
 __all__ = ["ADAPTIVE_METHODS", "BY_PREFERENCE", "DEFAULT_RING_METHOD", "check_usp_options", "check_window", "ring_method", "ALL_METHODS", "BUFFER_KINDS", "COMM_KINDS", "DECLARED", "FAMILIES", "LAYOUTS",
-           "LINEAR_METHODS", "METHODS", "Method", "RING_METHODS", "method", "names"]
+           "LINEAR_METHODS", "METHODS", "Method", "RING_METHODS", "head_imbalance", "head_shards", "method", "names"]

@@ -66,7 +66,7 @@ def test_yaml_suite(tmp_path):
 @pytest.mark.parametrize("config, match", [
     ({"methods": "ring", "heads": 8, "kv_heads": 3}, "kv_heads: .*heads=8 is not divisible by kv_heads=3"),
     ({"methods": "zigzag_ring", "seq_lens": [100], "world_sizes": [4]}, "seq_lens: .*multiple of 8 \\(2N\\)"),
-    ({"methods": "ulysses", "heads": 6, "world_sizes": [4]}, "heads: .*not divisible by N=4"),
+    ({"methods": "ulysses", "heads": 3, "kv_heads": 1, "world_sizes": [4]}, "heads: .*heads=3 is fewer than N=4"),
     ({"methods": "usp", "seq_lens": [1026], "world_sizes": [4]}, "seq_lens: .*usp .*multiple of R\\*lcm"),
     ({"methods": "zeco", "seq_lens": [1001], "world_sizes": [2]}, "seq_lens: .*zeco.*multiple of N=2"),
     ({"methods": "zeco", "causal": False}, "causal: zeco are causal linear attention"),
@@ -132,17 +132,22 @@ def test_failing_row_does_not_abort_the_others(capsys):
 
     # 66 tokens cannot be split into zigzag chunks on 2 ranks: the row fails at run time (not validated
     # here on purpose) and the next row still runs
+    # (and ulysses with 3 query heads on 2 ranks runs 2 + 1 heads and reports max/mean heads 4/3)
     cases = [BenchCase("zigzag_ring", 66, 2, heads=2, kv_heads=2, head_dim=8, repeats=1, warmup=0),
-             BenchCase("ring", 64, 2, heads=2, kv_heads=2, head_dim=8, repeats=1, warmup=0)]
+             BenchCase("ring", 64, 2, heads=2, kv_heads=2, head_dim=8, repeats=1, warmup=0),
+             BenchCase("ulysses", 64, 2, heads=3, kv_heads=1, head_dim=8, repeats=1, warmup=0)]
     rows = run_cases(cases, progress=False)
     assert "ValueError" in rows[0]["error"] and "multiple of 4" in rows[0]["error"]
     assert rows[1]["error"] == "" and rows[1]["max_error"] < 1e-5
+    assert rows[2]["error"] == "" and rows[2]["max_error"] < 1e-5
+    assert [r["head_imbalance"] for r in rows] == [1.0, 1.0, pytest.approx(4 / 3)]
     emu = emulate_cases([BenchCase("zigzag_ring", 66, 2, repeats=1, warmup=0),
                          BenchCase("ring", 64, 2, heads=2, kv_heads=2, head_dim=8, repeats=1, warmup=0)],
                         progress=False)
     assert "even local length" in emu[0]["error"] and emu[1]["error"] == ""
     print_table(rows + emu)
-    assert "multiple of 4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "multiple of 4" in out and "x1.333" in out  # Hq/Hkv "3/1 x1.333"
 
 
 def test_emulated_schedules_match_the_methods():

@@ -103,6 +103,23 @@ def test_cost_ulysses_and_ring_formulas():
     assert not CM.supports("ulysses", 64) and CM.supports("usp", 64)  # 32 heads
 
 
+def test_ulysses_any_head_count_costs_its_head_imbalance():
+    """9 query heads (SmolLM2-135M): ulysses runs on 2, 4 and 8 ranks (5+4, 3+2+2+2, 2+1x7), its
+    attention term times max/mean heads; 16 ranks would leave ranks without a head. usp on 16 ranks
+    of 8 per node shards heads over 8 with the same factor."""
+    cm = CostModel.default(hidden=9 * 64, kv_hidden=3 * 64, layers=30, n_heads=9, ffn=1536, vocab=49152)
+    cluster = ClusterSpec.h100(16)
+    a1 = cm.coeffs("ulysses").alpha1
+    for d, factor in ((2, 10 / 9), (4, 12 / 9), (8, 16 / 9)):
+        assert cm.supports("ulysses", d)
+        assert cm.group_coeffs("ulysses", d, cluster).quad == pytest.approx(a1 * factor / d, rel=1e-12)
+    assert not cm.supports("ulysses", 16) and cm.supports("usp", 16)
+    assert cm.group_coeffs("usp", 16, cluster).quad == pytest.approx(a1 * (16 / 9) / 16, rel=1e-12)
+    assert cm.group_coeffs("zigzag_ring", 4, cluster).quad == pytest.approx(a1 / 4, rel=1e-12)
+    lens = fit_to_cluster(sample_lengths(32, 5), cluster, cm, tokens_per_rank=16384)
+    static_plan(lens, cluster, 4, "ulysses", cm).validate(lens, cluster, cm)  # refused before: 9 % 4
+
+
 def test_cost_model_json_round_trip_and_errors(tmp_path):
     path = tmp_path / "cm.json"
     CM.save(path)

@@ -17,20 +17,33 @@ from dist_utils import check_errors, global_inputs, reference_grads, rel_err, sd
 
 
 
+def query_heads(hq, u, m):
+    """The query heads of Ulysses member m: Hq // U each, one more for the first Hq % U members
+    (written independently of the library)."""
+    sizes = [hq // u + (i < hq % u) for i in range(u)]
+    start = sum(sizes[:m])
+    return range(start, start + sizes[m])
+
+
 def kv_heads_needed(hq, hkv, u, m):
-    """KV heads used by the query heads of Ulysses member m (written independently of the library)."""
-    h, g = hq // u, hq // hkv
-    return {head // g for head in range(m * h, (m + 1) * h)}
+    """KV heads used by the query heads of Ulysses member m."""
+    return {head // (hq // hkv) for head in query_heads(hq, u, m)}
 
 
 def ulysses_bytes(u, me, B, c, hq, hkv, d, esize):
-    """Bytes member ``me`` sends in one direction (forward, or backward: the same): q and out are
-    (U-1)/U of c·d each; each of k and v sends c·D per KV head per other member that needs it."""
+    """``(forward, backward)`` bytes member ``me`` sends. Forward: q rows of every other member's
+    query heads, out rows of its own heads to every other member, and c·D of k and of v per KV head
+    per other member that needs it. Backward: dout like q, dq like out, and dk, dv of its own KV heads
+    back to every other member. (Equal when U divides Hq and Hkv.)"""
     if u == 1:
-        return 0
-    q_out = 2 * (u - 1) * B * c * (hq // u) * d
-    kv = 2 * sum(len(kv_heads_needed(hq, hkv, u, m)) for m in range(u) if m != me) * B * c * d
-    return (q_out + kv) * esize
+        return 0, 0
+    others = [m for m in range(u) if m != me]
+    q = sum(len(query_heads(hq, u, m)) for m in others)
+    out = (u - 1) * len(query_heads(hq, u, me))
+    kv_fwd = 2 * sum(len(kv_heads_needed(hq, hkv, u, m)) for m in others)
+    kv_bwd = 2 * (u - 1) * len(kv_heads_needed(hq, hkv, u, me))
+    unit = B * c * d * esize
+    return (q + out + kv_fwd) * unit, (q + out + kv_bwd) * unit
 
 
 def run_sharded(method, causal, low, *, group=None, stats=None, layout=None, **kw):
@@ -68,9 +81,9 @@ def _run(n, causal, B, T, hq, hkv, d, dtype, seed=0):
     check_errors(res, dtype)
     esize = torch.finfo(dtype).bits // 8
     for rank, r in enumerate(res):
-        want = ulysses_bytes(n, rank, B, T // n, hq, hkv, d, esize)
-        assert r["fwd"] == want, f"rank {rank}: forward sent {r['fwd']} bytes, formula says {want}"
-        assert r["bwd"] == want, f"rank {rank}: backward sent {r['bwd']} bytes, formula says {want}"
+        fwd, bwd = ulysses_bytes(n, rank, B, T // n, hq, hkv, d, esize)
+        assert r["fwd"] == fwd, f"rank {rank}: forward sent {r['fwd']} bytes, formula says {fwd}"
+        assert r["bwd"] == bwd, f"rank {rank}: backward sent {r['bwd']} bytes, formula says {bwd}"
 
 
 def _cases():
@@ -100,6 +113,22 @@ def test_gqa_routing(hq, hkv, dtype):
     _run(4, True, 1, 8, hq, hkv, 64, dtype, seed=hq + hkv)
 
 
+# Head counts the Ulysses degree does not divide: uneven query-head shards and uneven all-to-all
+# splits. SmolLM2-135M (9 q / 3 kv: 5+4 at N=2, 3+2+2+2 at N=4, a KV group straddling members),
+# Qwen2.5-0.5B (14 / 2), SmolLM2-360M (15 / 5), and N=3.
+@pytest.mark.parametrize("n,hq,hkv,dtype", [
+    (2, 9, 3, torch.float32), (4, 9, 3, torch.float32), (2, 9, 3, torch.bfloat16), (4, 9, 3, torch.bfloat16),
+    (4, 14, 2, torch.float32), (4, 15, 5, torch.float32), (3, 14, 2, torch.float32), (4, 5, 1, torch.bfloat16),
+], ids=["smollm2-N2-float32", "smollm2-N4-float32", "smollm2-N2-bfloat16", "smollm2-N4-bfloat16",
+        "q14-kv2-N4", "q15-kv5-N4", "q14-kv2-N3", "q5-kv1-N4-bfloat16"])
+def test_uneven_heads(n, hq, hkv, dtype):
+    _run(n, True, 1, 5 * n, hq, hkv, 64, dtype, seed=hq * n)
+
+
+def test_uneven_heads_full_attention():
+    _run(4, False, 2, 12, 9, 3, 80, torch.float32, seed=3)
+
+
 def test_one_token_per_rank():
     _run(4, True, 3, 4, 8, 2, 64, torch.float32, seed=1)
 
@@ -111,13 +140,15 @@ def test_world_size_8(hq, hkv):
 
 def _bad(kind):
     q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16)
-    if kind == "heads":  # 6 query heads over 4 ranks
-        seqpar.attention(q, k, v, method="ulysses")
+    if kind == "heads":  # 3 query heads over 4 ranks: one rank would hold none
+        seqpar.attention(q[:, :, :3], k[:, :, :1], v[:, :, :1], method="ulysses")
     elif kind == "usp_option":
         seqpar.attention(q[:, :, :4], k, v, method="ulysses", ring_method="ring")
 
 
-@pytest.mark.parametrize("kind,match", [("heads", r"q: Hq=6 .*4"), ("usp_option", "ring_method")])
+@pytest.mark.parametrize("kind,match", [
+    ("heads", r"q: Hq=3 query heads cannot be split over the 4 ranks .*ulysses_degree=2.*ring-family"),
+    ("usp_option", "ring_method")])
 def test_bad_input_raises_on_every_rank(kind, match):
     """Each rank raises the same ValueError before any communication: nothing hangs."""
     with pytest.raises(ValueError, match=match) as info:

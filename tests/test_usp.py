@@ -26,13 +26,13 @@ RING_METHODS = ("ring", "zigzag_ring", "striped_ring", "allgather_kv")
 def usp_bytes(ring_method, u, r, me_u, B, c, hq, hkv, d, esize):
     """(forward, backward) bytes of rank (me_u, ·): the Ulysses volume, then the ring method on
     U·c tokens with this rank's KV heads (K,V in the input dtype; dK,dV accumulators in fp32)."""
-    uly = ulysses_bytes(u, me_u, B, c, hq, hkv, d, esize)
+    uly_fwd, uly_bwd = ulysses_bytes(u, me_u, B, c, hq, hkv, d, esize)
     kv = 2 * B * u * c * len(kv_heads_needed(hq, hkv, u, me_u)) * d
     if r == 1:
-        return uly, uly
+        return uly_fwd, uly_bwd
     fwd = (r - 1) * kv * esize
     bwd = (r - 1) * kv * esize + (r - 1 if ring_method == "allgather_kv" else r) * kv * 4
-    return uly + fwd, uly + bwd
+    return uly_fwd + fwd, uly_bwd + bwd
 
 
 def _group(form, u, r):
@@ -70,8 +70,8 @@ def _run(form, u, r, ring_method, causal, hq, hkv, dtype, B=1, c=6, d=64, seed=0
     esize = torch.finfo(dtype).bits // 8
     for rank, x in enumerate(res):
         assert x["shape"] == (u, r)
-        uly = ulysses_bytes(u, x["u"], B, c, hq, hkv, d, esize)
-        assert x["uly"] == {"fwd": uly, "bwd": uly}, f"rank {rank}: Ulysses axis sent {x['uly']}, formula {uly}"
+        uly = dict(zip(("fwd", "bwd"), ulysses_bytes(u, x["u"], B, c, hq, hkv, d, esize)))
+        assert x["uly"] == uly, f"rank {rank}: Ulysses axis sent {x['uly']}, formula {uly}"
         if ring_method not in RING_METHODS:  # its own volume is checked by its own tests
             continue
         fwd, bwd = usp_bytes(ring_method, u, r, x["u"], B, c, hq, hkv, d, esize)
@@ -100,6 +100,15 @@ def test_usp_newer_ring_methods(ring_method):
 ], ids=["mesh_ordered-hkv1-bfloat16", "pair-mha-bfloat16", "groups-q12-kv6-float32", "plain-gqa-float32"])
 def test_usp_group_forms(form, hq, hkv, dtype):
     _run(form, 2, 2, "zigzag_ring", True, hq, hkv, dtype, seed=hq)
+
+
+@pytest.mark.parametrize("form,u,r,ring_method,hq,hkv,dtype", [
+    ("mesh", 2, 2, "zigzag_ring", 9, 3, torch.float32),  # SmolLM2-135M: 5 + 4 heads, KV head 1 on both
+    ("groups", 2, 2, "striped_ring", 15, 5, torch.bfloat16),  # SmolLM2-360M
+    ("plain", 4, 1, "zigzag_ring", 9, 3, torch.float32),  # 3 + 2 + 2 + 2
+], ids=["2x2-smollm2", "2x2-q15-kv5-bfloat16", "4x1-smollm2"])
+def test_usp_uneven_heads(form, u, r, ring_method, hq, hkv, dtype):
+    _run(form, u, r, ring_method, True, hq, hkv, dtype, seed=hq + u)
 
 
 @pytest.mark.parametrize("u,r", [(1, 2), (2, 1)], ids=["1x2", "2x1"])
@@ -136,8 +145,8 @@ def test_shard_unshard_roundtrip(form, ring_method):
 
 def _bad(kind):
     q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16)
-    if kind == "heads":  # 6 query heads, Ulysses degree 4
-        seqpar.attention(q, k, v, method="usp", ulysses_degree=4)
+    if kind == "heads":  # 3 query heads, Ulysses degree 4
+        seqpar.attention(q[:, :, :3], k[:, :, :1], v[:, :, :1], method="usp", ulysses_degree=4)
     elif kind == "mesh_shape":  # a 2x2 mesh but 4 Ulysses ranks asked for
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring"))
         seqpar.attention(q[:, :, :4], k, v, method="usp", group=mesh, ulysses_degree=4)
@@ -154,7 +163,7 @@ def _bad(kind):
     return dist.get_rank()
 
 
-BAD = [("heads", r"q: Hq=6 .*ulysses_degree=4"), ("mesh_shape", r"group: .*2, 2.*ulysses_degree=4"),
+BAD = [("heads", r"q: Hq=3 .*ulysses_degree=4 .*ulysses_degree=2"), ("mesh_shape", r"group: .*2, 2.*ulysses_degree=4"),
        ("mesh_1d", "2-D DeviceMesh"), ("ring_method", "ring_method='spiral_ring'"),
        ("not_ring_family", "ring_method='ulysses'"), ("degree", "ulysses_degree=3"),
        ("length", r"multiple of R\*lcm\(2, U\) = 4")]

@@ -34,7 +34,9 @@ from seqpar.kernels.linear_chunk import (
 )
 from seqpar.layouts import packed_layout, shard, unshard
 from seqpar.linear import linear_attention
-from seqpar.methods import LINEAR_METHODS
+from seqpar.comm.usp_groups import default_ulysses_degree
+from seqpar.methods import LINEAR_METHODS, head_imbalance
+from seqpar.methods import method as declared
 from seqpar.softmax import attention
 
 from .memory import PeakMemory
@@ -67,6 +69,16 @@ class BenchCase:
     def family(self) -> str:
         """``"linear"`` for linear attention, else ``"softmax"``."""
         return "linear" if self.method in LINEAR_METHODS else "softmax"
+
+    @property
+    def head_imbalance(self) -> float:
+        """Most query heads on one rank over the mean, for methods that shard heads (ulysses: over N;
+        usp: over its default Ulysses degree); 1.0 for the others and whenever the degree divides
+        ``heads``. NaN when the heads cannot be split at all (the row then fails)."""
+        if not declared(self.method).head_sharded:
+            return 1.0
+        degree = self.world_size if self.method == "ulysses" else default_ulysses_degree(self.world_size)
+        return head_imbalance(self.heads, degree) if self.heads >= degree else float("nan")
 
 
 def attention_flops(batch: int, seq_len: int, heads: int, head_dim: int, causal: bool) -> tuple[float, float]:
@@ -124,7 +136,8 @@ class BenchRow:
     """Measured numbers of one case. Times in ms (slowest rank, median over repeats); ``*_1``: the
     same computation on one rank; bytes are the most any rank sent; ``peak_mem`` (bytes) the most
     any rank held (:class:`~seqpar.bench.memory.PeakMemory`); ``max_error`` relative to the
-    single-rank output; ``error`` is set instead when the row failed."""
+    single-rank output; ``error`` is set instead when the row failed. :meth:`as_dict` adds the
+    case's ``family`` and ``head_imbalance`` (:attr:`BenchCase.head_imbalance`)."""
 
     case: BenchCase
     mode: str = "dist"
@@ -148,7 +161,7 @@ class BenchRow:
 
     def as_dict(self) -> dict:
         d = asdict(self.case)
-        d["family"] = self.case.family
+        d["family"], d["head_imbalance"] = self.case.family, self.case.head_imbalance
         d.update({k: v for k, v in asdict(self).items() if k != "case"})
         return d
 

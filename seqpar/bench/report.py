@@ -22,7 +22,8 @@ from seqpar._version import __version__
 NOTE_DIST = ("efficiency = single-rank time (same threads per rank) / (N x step time on N ranks); "
              "TFLOP/s: attention fwd 4·B·T²·Hq·D (x0.5 causal), bwd 2.5x fwd; linear fwd B·T·H·(2C(K+V)+4KV), "
              "bwd 2x; MB sent: the most any rank sent (fwd+bwd); link MB: most bytes one rank sent to one peer; "
-             "peak MB: most bytes any rank allocated during one fwd+bwd (seqpar.bench.memory)")
+             "peak MB: most bytes any rank allocated during one fwd+bwd (seqpar.bench.memory); Hq/Hkv xF: uneven "
+             "query-head shards (ulysses, usp), F = most heads on a rank / mean")
 NOTE_EMULATE = ("compute eff = single-device fwd+bwd / (N x slowest rank's kernels); bound = the schedule's "
                 "(visible pairs of all ranks / (N x the busiest rank's)); step-sync: each step waits for its "
                 "slowest rank; imbalance = max over steps of max/mean rank time in that step")
@@ -53,7 +54,11 @@ def _f(x, fmt: str) -> str:
 
 
 def _heads(r: dict) -> str:
-    return f"{r['heads']}/{r['kv_heads']}" if r.get("family") != "linear" else f"{r['heads']}"
+    """``Hq/Hkv`` (linear: ``H``), with ``x<max/mean heads per rank>`` when head shards are uneven."""
+    if r.get("family") == "linear":
+        return f"{r['heads']}"
+    imbalance = r.get("head_imbalance", 1.0)
+    return f"{r['heads']}/{r['kv_heads']}" + ("" if imbalance == 1.0 else f" x{_f(imbalance, '.3f')}")
 
 
 def _dist_columns(rows: list[dict]):

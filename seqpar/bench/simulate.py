@@ -86,7 +86,7 @@ def simulate(seq_len: int, cluster: ClusterSpec, cost: CostModel, *,
                 rows.append(row)
                 continue
             slow = cl.compute_slowdown()
-            attn = c.alpha1 * attention_factor(m, n, slow) / n * T * T
+            attn = c.alpha1 * attention_factor(m, n, slow, cost.n_heads, cl.ranks_per_node) / n * T * T
             compute = slow * (c.beta1 + c.alpha2 * T / n) + attn
             step = g.time(T, T * T)
             lin_comm, over, const_comm = cost._comm_terms(m, n, cl)

@@ -237,9 +237,9 @@ def validate_case(case: BenchCase, *, emulated: bool = False) -> None:
         return  # packed batches are padded per document: any total length fits
     if case.method == "ulysses":
         layout_named("contiguous").check_length(case.seq_len, n, method="ulysses", argument="seq_lens")
-        if case.heads % n:
-            raise ValueError(f"heads: {where}: ulysses gives every rank heads/N query heads; heads={case.heads} "
-                             f"is not divisible by N={n} (use usp, or a ring-family method)")
+        if case.heads < n:
+            raise ValueError(f"heads: {where}: ulysses gives every rank at least one query head; heads={case.heads} "
+                             f"is fewer than N={n} (use usp with a smaller ulysses_degree, or a ring-family method)")
     elif case.method == "usp":
         u = default_ulysses_degree(n)
         r = n // u
@@ -248,9 +248,9 @@ def validate_case(case: BenchCase, *, emulated: bool = False) -> None:
             raise ValueError(f"seq_lens: {where}: usp with ulysses_degree={u} x {r} ring ranks of "
                              f"{DEFAULT_RING_METHOD} needs a multiple of R*lcm(2, U) = {mult}; "
                              f"use {-(-case.seq_len // mult) * mult}")
-        if case.heads % u:
-            raise ValueError(f"heads: {where}: usp gives every rank heads/U query heads; heads={case.heads} "
-                             f"is not divisible by ulysses_degree U={u}")
+        if case.heads < u:
+            raise ValueError(f"heads: {where}: usp gives every rank of its Ulysses axis at least one query head; "
+                             f"heads={case.heads} is fewer than ulysses_degree U={u}")
     else:
         layout_named(declared(case.method).layout).check_length(case.seq_len, n, method=case.method,
                                                                  argument="seq_lens")

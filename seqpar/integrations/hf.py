@@ -14,6 +14,13 @@ Shapes: ``T_global`` tokens are split over the N ranks of the group, ``T_local =
 (plus the library's padding for packed documents). Everything token-indexed (input ids, labels,
 position ids) must be sharded with :func:`shard_inputs`, so rotary embeddings see global positions
 and no label is lost at a shard edge (labels are shifted before sharding).
+
+Per-layer attention options come from each layer's own call: ``sliding_window`` (Mistral, Qwen2
+with ``use_sliding_window``, Gemma-2/3 and gpt-oss, whose local layers alternate with global ones)
+becomes ``seqpar.attention(window=...)`` (transformers' window of W keys including the query's own,
+flash-attn's ``window_size=(W-1, 0)``), and ``s_aux`` (gpt-oss's per-head sink logits) becomes
+``sinks=`` (cast to float32; its gradient flows back to the parameter). Attention-logit softcapping
+(Gemma-2's ``attn_logit_softcapping``) changes every score inside the kernel and is refused.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ __all__ = ["IGNORE_INDEX", "ShardedInputs", "apply_context_parallel", "context_p
 IGNORE_INDEX = -100  # the label value transformers' and torch's cross-entropy skip
 
 # seqpar.attention keywords this integration sets itself; the others may be passed as options.
-_BOUND = {"group", "method", "causal", "softmax_scale", "cu_seqlens"}
+_BOUND = {"group", "method", "causal", "softmax_scale", "cu_seqlens", "window", "sinks"}  # window, sinks: per layer
 _PROBE_NAME = "seqpar_probe"
 
 
@@ -75,10 +82,9 @@ def _make_attention(group, method: str, options: dict):
         if dropout:
             raise ValueError(f"dropout: {name} asks for attention dropout {dropout}, which seqpar does not "
                              "implement; set the config's attention_dropout to 0")
-        for unsupported in ("sliding_window", "s_aux"):
-            if kwargs.get(unsupported) is not None:
-                raise ValueError(f"{unsupported}: {name} uses {unsupported}={kwargs[unsupported]!r}, which "
-                                 "context-parallel attention does not support")
+        refused = _refused(name, kwargs)
+        if refused:
+            raise ValueError(refused)
         if query.shape[2] != key.shape[2]:
             raise ValueError(f"{name}: {query.shape[2]} queries against {key.shape[2]} keys: a KV cache is "
                              "not supported under context parallelism; call the model with use_cache=False")
@@ -92,19 +98,41 @@ def _make_attention(group, method: str, options: dict):
             dtype = torch.get_autocast_dtype(query.device.type)
         # [B, H, T, D] -> seqpar's [B, T, H, D]; rotary embeddings may have promoted q, k but not v
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
-        out = attention(q, k, v, group=group, method=method, causal=bool(causal),
-                               softmax_scale=scaling, cu_seqlens=cu_seqlens, **options)
+        out = attention(q, k, v, group=group, method=method, causal=bool(causal), softmax_scale=scaling,
+                        cu_seqlens=cu_seqlens, **_layer_options(kwargs), **options)
         return out, None
 
     return seqpar_attention
 
 
+def _layer_options(kwargs: dict) -> dict:
+    """``seqpar.attention`` options of one layer's call: its window and its sinks (float32 ``[Hq]``)."""
+    extra = {}
+    if kwargs.get("sliding_window") is not None:
+        extra["window"] = int(kwargs["sliding_window"])
+    if kwargs.get("s_aux") is not None:
+        extra["sinks"] = kwargs["s_aux"].float()
+    return extra
+
+
+def _refused(name: str, kwargs: dict) -> str | None:
+    """Why one layer's attention call cannot run context-parallel (None when it can)."""
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        return (f"softcap: {name} applies attention-logit softcapping ({softcap}, the config's "
+                "attn_logit_softcapping), which seqpar's attention kernels do not implement (it changes every "
+                "score before the softmax); set config.attn_logit_softcapping = None to train this model "
+                "context-parallel (Gemma-3 has none), or keep its attention local")
+    return None
+
+
 def _probe_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      is_causal=None, **kwargs):
-    """Records which modules dispatch through the interface (and receive forward kwargs)."""
+    """Records which modules dispatch through the interface (and receive forward kwargs), with the
+    per-layer kwargs :func:`_refused` looks at."""
     seen = kwargs.get("seqpar_probe")
     if seen is not None:
-        seen.add(id(module))
+        seen[id(module)] = {key: kwargs.get(key) for key in ("softcap", "sliding_window")}
     return query.transpose(1, 2), None  # the right shape; the values do not matter for the probe
 
 
@@ -150,7 +178,7 @@ def _check_dispatch(model, attention_modules) -> None:
     _set_implementation(model, _PROBE_NAME)
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
-    seen: set[int] = set()
+    seen: dict[int, dict] = {}
     try:
         with torch.no_grad():
             model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False, seqpar_probe=seen)
@@ -163,6 +191,10 @@ def _check_dispatch(model, attention_modules) -> None:
             f"model: the attention of {', '.join(missing)} does not go through transformers' AttentionInterface "
             "(or does not pass the forward's kwargs on to it), so it would silently attend only to this rank's "
             "tokens; use a transformers attention class there, or call seqpar.attention in that module")
+    refused = [_refused(f"{path} ({type(mod).__name__})", seen[id(mod)]) for path, mod in attention_modules]
+    refused = [why for why in refused if why]
+    if refused:
+        raise ValueError(f"{refused[0]} ({len(refused)} of {len(attention_modules)} attention layers alike)")
 
 
 def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **options):
@@ -185,9 +217,11 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
     The model then expects this rank's shard from :func:`shard_inputs`: q ``[B, T_local, Hq, D]``,
     K,V with Hkv heads (GQA stays unexpanded), causal masking in global token order
     (``module.is_causal``), ``softmax_scale`` = the module's ``scaling``, and packed documents when
-    ``cu_seqlens`` (global) is passed to the forward. Raises ``ValueError`` when a decoder layer's
-    attention does not dispatch through the interface (naming the module), for an unknown method or
-    option, and for a group of the wrong type.
+    ``cu_seqlens`` (global) is passed to the forward; each layer's own ``sliding_window`` and
+    ``s_aux`` (sinks) as ``window=`` and ``sinks=``. Raises ``ValueError`` when a decoder layer's
+    attention does not dispatch through the interface (naming the module), when a layer applies
+    attention-logit softcapping (Gemma-2; naming the module and ``attn_logit_softcapping``), for an
+    unknown method or option, and for a group of the wrong type.
     """
     if not hasattr(model, "config") or not isinstance(model, torch.nn.Module):
         raise ValueError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")

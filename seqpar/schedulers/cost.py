@@ -144,7 +144,7 @@ class CostModel:
     """Step-time and memory model of sequence-parallel attention methods for one transformer.
 
     methods: ``((name, MethodCost), ...)`` in order of preference (ties go to the earlier one).
-    hidden: d = Hq·D; kv_hidden: d_kv = Hkv·D; layers; n_heads: Hq (Ulysses needs Hq % group == 0);
+    hidden: d = Hq·D; kv_hidden: d_kv = Hkv·D; layers; n_heads: Hq (Ulysses needs Hq >= group size);
     bytes_per_element: of activations on the wire (2 for bf16).
     grad_bytes_per_element: of the gradient accumulators that travel in backward (ring dK,dV,
         TokenRing dq, all-gather KV's reduce-scatter). Default: ``bytes_per_element``, i.e.
@@ -246,9 +246,9 @@ class CostModel:
         raise ValueError(f"method={method!r} is not in this cost model; it has {', '.join(self.method_names)}")
 
     def supports(self, method: str, group_size: int) -> bool:
-        """Whether ``method`` can run on a group of this size (Ulysses needs n_heads % size == 0)."""
+        """Whether ``method`` can run on a group of this size (Ulysses needs n_heads >= size)."""
         self.coeffs(method)
-        return not (declared(method).family == "ulysses" and self.n_heads % group_size)
+        return not (declared(method).family == "ulysses" and self.n_heads < group_size)
 
     def default_methods(self) -> tuple[str, ...]:
         """Methods a plan may use by default: the softmax ones (or the linear ones when only those)."""
@@ -271,25 +271,27 @@ class CostModel:
         if not is_power_of_two(d) or d > cluster.world_size:
             raise ValueError(f"group_size={d!r} must be a power of two no larger than {cluster.world_size}")
         if not self.supports(method, d):
-            raise ValueError(f"group_size={d}: ulysses needs n_heads={self.n_heads} divisible by the group size; "
+            raise ValueError(f"group_size={d}: ulysses needs at least one of n_heads={self.n_heads} per rank; "
                              f"use usp (Ulysses inside a node, ring across) for larger groups")
         lin_comm, overlap, const_comm = self._comm_terms(method, d, cluster)
         s, o = c.comm_scale, cluster.overlap_factor
         ka, kr = c.scale(d)
-        const, lin, quad = self.compute_coeffs(method, d, cluster.compute_slowdown(active_ranks))
+        slow = cluster.compute_slowdown(active_ranks)
+        const, lin, quad = self.compute_coeffs(method, d, slow, cluster.ranks_per_node)
         return GroupCoeffs(const=const + kr * s * const_comm, lin=lin + kr * s * (lin_comm + (1 - o) * overlap),
                            quad=quad,
                            overlap=ka * s * o * overlap,
                            mem_const=c.m_model, mem_lin=c.m_token / d + (c.m_token_full if d > 1 else 0.0))
 
-    def compute_coeffs(self, method: str, group_size: int, slowdown: float = 1.0) -> tuple[float, float, float]:
+    def compute_coeffs(self, method: str, group_size: int, slowdown: float = 1.0,
+                       ranks_per_node: int | None = None) -> tuple[float, float, float]:
         """``(const, lin, quad)`` of one rank's compute in a group (no communication): β1, α2/d and
-        α1·:func:`attention_factor`/d times ``slowdown``, with the k_rest / k_attn of
-        :attr:`MethodCost.group_scale` and :attr:`MethodCost.kernel_scale` on attention."""
+        α1·:func:`attention_factor`/d (head imbalance of usp at ``ranks_per_node``) times ``slowdown``,
+        with the k_rest / k_attn of :attr:`MethodCost.group_scale` and :attr:`MethodCost.kernel_scale`."""
         c, d = self.coeffs(method), group_size
         ka, kr = c.scale(d)
         return (kr * slowdown * c.beta1, kr * slowdown * c.alpha2 / d,
-                ka * c.kernel(d) * c.alpha1 * attention_factor(method, d, slowdown) / d)
+                ka * c.kernel(d) * c.alpha1 * attention_factor(method, d, slowdown, self.n_heads, ranks_per_node) / d)
 
     def comm_parts(self, method: str, d: int, cluster: ClusterSpec) -> tuple[list[tuple], float]:
         """Communication of one step per rank of a group of ``d``: see :func:`.cost_comm.comm_parts`."""

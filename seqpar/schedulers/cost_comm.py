@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..methods import method as declared
 from .cluster import ClusterSpec
-from .schedule_terms import _schedule_bytes
+from .schedule_terms import _schedule_bytes, usp_degree
 
 
 def method_buffers(method: str, hidden: int, kv_hidden: int, n_heads: int, e: int) -> tuple[float, float]:
@@ -67,9 +67,7 @@ def comm_parts(model, method: str, d: int, cluster: ClusterSpec) -> tuple[list[t
         steps = d - 1 if method == "token_ring" else d // 2
         return [(per_c / d * L, 0.0, True, d, "p2p")], 2 * (steps + 1) * L * lat
     if kind == "alltoall_ring":  # Ulysses over u ranks inside a node, ring over r = d/u across
-        u = min(d, cluster.ranks_per_node)
-        while H % u:
-            u //= 2
+        u = usp_degree(H, d, cluster.ranks_per_node)
         r = d // u
         parts = []
         if u > 1:

@@ -1,9 +1,30 @@
-"""Schedule-dependent terms of the cost model: each method's causal imbalance and the bytes its
-causal schedule sends from the busiest rank (docs/methods.md); :mod:`.cost` uses them."""
+"""Schedule-dependent terms of the cost model: each method's causal and head imbalance and the bytes
+its causal schedule sends from the busiest rank (docs/methods.md); :mod:`.cost` uses them."""
 
 from __future__ import annotations
 
 import functools
+
+from ..methods import head_imbalance
+from ..methods import method as declared
+
+
+def usp_degree(n_heads: int, d: int, ranks_per_node: int) -> int:
+    """The Ulysses degree the cost model gives usp on a group of ``d``: the ranks of one node
+    (``min(d, ranks_per_node)``), halved while it exceeds the head count (every rank needs a head)."""
+    u = min(d, ranks_per_node)
+    while u > n_heads:
+        u //= 2
+    return u
+
+
+def heads_factor(method: str, d: int, n_heads: int, ranks_per_node: int | None = None) -> float:
+    """Most query heads on one rank over the mean for methods that shard heads (ulysses over ``d``,
+    usp over :func:`usp_degree`; ``ranks_per_node`` None: one node), 1 for the others."""
+    if not declared(method).head_sharded:
+        return 1.0
+    u = d if declared(method).family == "ulysses" else usp_degree(n_heads, d, ranks_per_node or d)
+    return head_imbalance(n_heads, u)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -39,17 +60,21 @@ def _schedule_bytes(method: str, n: int, hq: int, hkv: int, head_dim: int, e: in
     return best
 
 
-def attention_factor(method: str, d: int, slowdown: float = 1.0) -> float:
+def attention_factor(method: str, d: int, slowdown: float = 1.0, n_heads: int | None = None,
+                     ranks_per_node: int | None = None) -> float:
     """Slowest rank's attention time over the perfectly divided single-rank time ``α1·S2/d``.
 
-    With a device per rank (``slowdown == 1``) it is the schedule's :func:`causal_imbalance`. When
+    With a device per rank (``slowdown == 1``) it is the schedule's :func:`causal_imbalance` times
+    the head imbalance of a head-sharded method with ``n_heads`` query heads (:func:`heads_factor`;
+    ``n_heads`` None: 1). When
     the d ranks share cores (each computing ``slowdown`` times slower when all are busy), a rank
     with less work finishes early and frees its core: the slowest rank then needs about
     ``max(its own work, the node's total work / effective cores)`` = ``max(imbalance, slowdown)``
     times the average work, not their product (contiguous ring on 8 ranks and 2 cores runs at the
     speed of the total work, its imbalance hidden by the oversubscription).
     """
-    return max(causal_imbalance(method, d), slowdown)
+    heads = 1.0 if n_heads is None else heads_factor(method, d, n_heads, ranks_per_node)
+    return max(causal_imbalance(method, d) * heads, slowdown)
 
 
 def causal_imbalance(method: str, d: int) -> float:

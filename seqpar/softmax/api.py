@@ -18,12 +18,13 @@ from ..comm.fingerprint import call_fields
 from ..comm.usp_groups import describe_usp
 from ..kernels import Band, available_backends, check_qkv, select_backend
 from ..layouts import PackedLayout, check_cu_seqlens, placement
-from ..methods import Method, check_usp_options, check_window
+from ..methods import Method, check_usp_options, check_window, names
 from ..methods import method as declared
 from .checkpoint import active_tape
 from .executor import RingAttention, RingConfig
 from .packed import packed_schedule
 from .registry import dense_plan
+from .sinks import check_sinks
 from .ulysses import run_ulysses
 from .usp import run_usp
 from .window import effective_window
@@ -32,10 +33,14 @@ _GRAD_COMM = {None: None, "fp32": torch.float32, "float32": torch.float32, "inpu
 
 
 def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, grad_comm_dtype, info, window=None,
-              ring_method=None):
+              ring_method=None, sinks=None):
     spec = declared(method, kind="softmax")
     check_window(spec, window, ring_method)
     check_qkv(q, k, v)
+    check_sinks(sinks, q)
+    if sinks is not None and not spec.sinks:
+        raise ValueError(f"sinks: method={method!r} does not support attention sinks; use one of "
+                         f"{', '.join(m for m in names('softmax') if declared(m).sinks)}")
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected True or False, got {causal!r}")
     if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0
@@ -97,7 +102,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
               backend: str | None = None, stats: CommStats | None = None,
               grad_comm_dtype: str | None = None, ulysses_degree: int | None = None,
               ring_method: str | None = None, check_ranks: bool | None = None,
-              window: int | None = None) -> torch.Tensor:
+              window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence split across the ranks of ``group``.
 
     Shapes (N = ranks in ``group``, ``T_local = T_global / N``):
@@ -145,6 +150,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             hanging, aborting or returning a wrong result. None (default): on, unless the
             environment variable ``SEQPAR_CHECK_RANKS=0`` (read at each call). ``False`` skips it:
             then ranks that disagree may hang, have gloo abort their process, or return garbage.
+        sinks: attention sinks (gpt-oss): a float32 ``[Hq]`` tensor, usually a parameter; head h's
+            softmax denominator gets ``exp(sinks[h])`` with no value attached (:mod:`.sinks`).
+            Every method; applied after the merge of all steps (no extra communication). Its
+            gradient on each rank is that rank's share: sum it over the group (as for every
+            parameter under context parallelism) for the gradient of the whole sequence.
 
     Raises ``ValueError`` naming the argument, on every rank and before any communication, for bad
     shapes, dtypes, method, backend, window or lengths. Raises :class:`seqpar.PeerError` when a peer rank
@@ -153,7 +163,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     arguments = dict(locals())  # every parameter: the rank agreement covers an option added later too
     opts = dict(group=group, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                 backend=backend, stats=stats, grad_comm_dtype=grad_comm_dtype, ulysses_degree=ulysses_degree,
-                ring_method=ring_method, window=window)
+                ring_method=ring_method, window=window, sinks=sinks)
     tape = active_tape()
     if not check_ranks_enabled(check_ranks) or (tape is not None and tape.replaying):
         # (a checkpoint's recomputation replays a call whose arguments the forward checked; the tape
@@ -168,7 +178,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
 
 
 def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
-             ulysses_degree, ring_method, window, same_offsets_check: bool) -> "CallSpec":
+             ulysses_degree, ring_method, window, same_offsets_check: bool, sinks=None) -> "CallSpec":
     """Every local check of a call, and its CallSpec. Communicates only for ``same_offsets_check``
     (packed input: the cu_seqlens fingerprint all-gather of :func:`_check_same`)."""
     check_usp_options(method, ulysses_degree, ring_method)
@@ -183,6 +193,7 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
         # tensors against them: every rank that reaches a ValueError reaches the same one
         check_window(declared(method, kind="softmax"), window, ring_method)
         check_qkv(q, k, v)
+        check_sinks(sinks, q)  # before the offsets gather below
         if not isinstance(cu_seqlens, PackedLayout):
             host = check_cu_seqlens(cu_seqlens, None)
             if same_offsets_check:
@@ -191,14 +202,14 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
         packed = _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method)
     spec = _validate(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                      backend=backend, grad_comm_dtype=grad_comm_dtype, info=info, window=window,
-                     ring_method=ring_method)
+                     ring_method=ring_method, sinks=sinks)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     wire = _GRAD_COMM[grad_comm_dtype]
     if wire == "input":
         wire = k.dtype
     return CallSpec(info=info, spec=spec, causal=causal, scale=scale, backend=backend, grad_comm_dtype=wire,
                     stats=stats, group=group, ulysses_degree=ulysses_degree, ring_method=ring_method,
-                    channels=channels, packed=packed, window=window)
+                    channels=channels, packed=packed, window=window, sinks=sinks)
 
 
 def _fingerprint(arguments: dict) -> dict[str, str]:
@@ -232,6 +243,7 @@ class CallSpec:
     channels: tuple | None = None  # extra communicators of a TokenRingGroups (one per traffic direction)
     packed: PackedLayout | None = None  # packed input: geometry built once (schedules cached on it)
     window: int | None = None  # sliding window as given (runners drop one that covers everything)
+    sinks: torch.Tensor | None = None  # [Hq] float32 attention sinks (seqpar.softmax.sinks), or None
 
 
 def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
@@ -242,7 +254,7 @@ def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
         plan = dense_plan(call.spec, call.info.rank, call.info.size, q.shape[1], call.causal, window)
     cfg = RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels)
-    return RingAttention.apply(q, k, v, cfg)
+    return RingAttention.apply(q, k, v, call.sinks, cfg)
 
 
 # family name -> runner(q, k, v, CallSpec) -> out. A new family adds its module and one entry here.
@@ -252,7 +264,8 @@ FAMILIES = {"ring": _run_ring, "ulysses": run_ulysses, "usp": run_usp}
 class SequenceParallelAttention(torch.nn.Module):
     """Module form of :func:`attention`: holds the group and options, takes ``(q, k, v)``.
 
-    ``forward(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], cu_seqlens=None) -> [B, T_local, Hq, D]``.
+    ``forward(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], cu_seqlens=None, stats=None, sinks=None)
+    -> [B, T_local, Hq, D]`` (``sinks``: the layer's ``[Hq]`` parameter, owned by the caller).
     ``check_ranks`` as in :func:`attention` (None: on, unless ``SEQPAR_CHECK_RANKS=0``).
     """
 
@@ -268,11 +281,11 @@ class SequenceParallelAttention(torch.nn.Module):
         self.ulysses_degree, self.ring_method = ulysses_degree, ring_method
         self.check_ranks, self.window = check_ranks, window
 
-    def forward(self, q, k, v, cu_seqlens=None, stats: CommStats | None = None):
+    def forward(self, q, k, v, cu_seqlens=None, stats: CommStats | None = None, sinks=None):
         return attention(q, k, v, group=self.group, method=self.method, causal=self.causal,
                          softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens, backend=self.backend,
                          stats=stats, ulysses_degree=self.ulysses_degree, ring_method=self.ring_method,
-                         check_ranks=self.check_ranks, window=self.window)
+                         check_ranks=self.check_ranks, window=self.window, sinks=sinks)
 
     def extra_repr(self) -> str:
         return f"method={self.method!r}, causal={self.causal}" + (f", window={self.window}" if self.window else "")

@@ -40,6 +40,7 @@ from ..kernels import block_backward, block_forward, merge_, new_accumulator
 from ..kernels.varlen import varlen_backward, varlen_forward
 from .checkpoint import active_tape
 from .plans import FOLD, OPERANDS, PAYLOADS, WIRES, Move, RingPlan, Schedule, Task, Wire
+from .sinks import apply_sinks, sinks_grad
 
 
 @dataclass(frozen=True)
@@ -416,13 +417,17 @@ def ring_backward(dout, q, k, v, out, lse, cfg: RingConfig):
 class RingAttention(torch.autograd.Function):
     """Saves what backward needs and restores it; the work is in ring_forward / ring_backward.
 
+    ``sinks`` (``[Hq]`` or None, :mod:`.sinks`) are applied to the merged ``(out, lse)`` after the
+    whole schedule; backward runs the schedule on the adjusted ``(out', lse')`` and returns ``ds``
+    from this rank's rows (its share: the sum over the group is the gradient).
+
     Inside :func:`seqpar.checkpoint`, the first forward records ``(out, lse)`` and the
     recomputation before backward replays them: the attention forward and its communication run
     once per step.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cfg: RingConfig):
+    def forward(ctx, q, k, v, sinks, cfg: RingConfig):
         tape = active_tape()
         if tape is not None and tape.replaying:
             out, lse = tape.replay(q)
@@ -431,20 +436,24 @@ class RingAttention(torch.autograd.Function):
             if cfg.stats is not None:
                 cfg.stats.phase = "fwd"
             out, lse = ring_forward(q, k, v, cfg)
+            if sinks is not None:
+                out, lse = apply_sinks(out, lse, sinks)
             out = out.to(q.dtype)
             if tape is not None:
                 tape.record(out.detach(), lse)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cfg = cfg
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         cfg = ctx.cfg
         if cfg.stats is not None:
             cfg.stats.phase = "bwd"
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, cfg)
+        dout = dout.contiguous()
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, cfg)
         if cfg.stats is not None:
             cfg.stats.phase = "fwd"
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        ds = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds, None

@@ -10,11 +10,14 @@ import torch
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                        softmax_scale: float | None = None, cu_seqlens=None, window: int | None = None) -> torch.Tensor:
+                        softmax_scale: float | None = None, cu_seqlens=None, window: int | None = None,
+                        sinks=None) -> torch.Tensor:
     """Global attention. q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` -> ``[B, T, Hq, D]``.
 
     ``cu_seqlens`` (int, ``[n_docs + 1]``) restricts attention to within each packed document.
     ``window``: query i sees keys j with ``i - window < j <= i`` (causal) or ``|i - j| < window``.
+    ``sinks`` ``[Hq]``: one extra logit per head in every row's softmax, with no value (gpt-oss),
+    written as an extra key column and dropped after the softmax; differentiable.
     Computes in the input dtype; pass float64 tensors for a ground truth.
     """
     B, T, Hq, D = q.shape
@@ -36,6 +39,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         doc = torch.bucketize(torch.arange(T, device=q.device), bounds[1:], right=True)
         allowed = allowed & (doc[:, None] == doc[None, :])
     s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key (none here) would be NaN
+    if sinks is not None:  # [Hq] -> a column [B, Hkv, g, T, 1] next to the keys
+        column = sinks.to(s.dtype).reshape(1, Hkv, g, 1, 1).expand(B, Hkv, g, T, 1)
+        p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key (none here) would be NaN
     o = torch.matmul(p, vt)  # [B, Hkv, g, T, D]
     return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)

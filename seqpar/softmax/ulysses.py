@@ -4,26 +4,38 @@ Shapes (U = ranks on the Ulysses axis, ``c = T_local``, ``L = U·c``; contiguous
 holds global tokens ``[m·c, (m+1)·c)``):
 
 - in:  q ``[B, c, Hq, D]``, k, v ``[B, c, Hkv, D]`` (sequence shards);
-- after the all-to-all: q ``[B, L, Hq/U, D]`` (member m owns query heads ``[m·Hq/U, (m+1)·Hq/U)``)
-  and k, v ``[B, L, n_m, D]`` with the ``n_m`` KV heads those query heads use (see below);
+- after the all-to-all: q ``[B, L, h_m, D]`` (member m owns the ``h_m`` query heads
+  ``[start_m, start_m + h_m)``: ``h_m = ⌈Hq/U⌉`` for the first ``Hq mod U`` members, ``⌊Hq/U⌋`` for
+  the others, :func:`seqpar.methods.head_shards`; any Hq >= U) and k, v ``[B, L, n_m, D]`` with the
+  ``n_m`` KV heads those query heads use (see below);
 - full attention of the whole sequence for the local heads (``block_forward``; GQA native; a
   sliding window is the band of that one block: the communication does not change with it), or,
   in USP (:mod:`seqpar.softmax.usp`), the shared ring loop over the ring axis on these head shards;
-- out ``[B, L, Hq/U, D]`` goes back through the inverse all-to-all to ``[B, c, Hq, D]``.
+- out ``[B, L, h_m, D]`` goes back through the inverse all-to-all to ``[B, c, Hq, D]``.
 
-**GQA head routing.** With ``g = Hq/Hkv`` and ``h = Hq/U``, member m needs the KV heads
-``[⌊m·h/g⌋, ⌊((m+1)·h - 1)/g⌋ + 1)``. Each KV head is sent only to the members whose query heads
-use it: when ``Hkv % U == 0`` every member gets ``Hkv/U`` heads of its own; when ``Hkv < U`` a KV
-head is replicated to the ``U/Hkv`` members that share it (never padded, never expanded to Hq).
+**Uneven head counts.** When U does not divide Hq the members hold ``⌈Hq/U⌉`` or ``⌊Hq/U⌋`` query
+heads (9 heads on 2 ranks: 5 + 4) and the all-to-alls have uneven splits (gloo and NCCL take them);
+the busiest member computes ``max h_m / mean h_m`` of the even share (1.11 for 9 on 2). Only
+Hq < U (a member with no head) is refused.
+
+**GQA head routing.** With ``g = Hq/Hkv``, member m needs the KV heads
+``[⌊start_m/g⌋, ⌊(start_m + h_m - 1)/g⌋ + 1)``. Each KV head is sent only to the members whose
+query heads use it: when ``Hkv % U == 0`` (and U divides Hq) every member gets ``Hkv/U`` heads of
+its own; otherwise a KV head whose group straddles members is replicated to each of them (never
+padded, never expanded to Hq).
 All of q, k and v travel in ONE uneven ``all_to_all_single`` (per destination: its query heads,
 then its K heads, then its V heads). In backward the members' dK,dV of a shared KV head are summed
 (in fp32) by the sequence owner when the gradients come back. When a member's query heads do not
-split evenly over its KV heads (``h % g`` and ``g % h`` both non-zero, e.g. Hq=12, Hkv=6, U=4) the
-local heads are cut into a few *segments*, each a plain GQA block with equal groups.
+split evenly over its KV heads (e.g. Hq=12, Hkv=6, U=4, or 9 heads over 3 KV heads on 2 ranks)
+the local heads are cut into a few *segments*, each a plain GQA block with equal groups.
+
+**Sinks** (:mod:`.sinks`): member m applies the sinks of its query heads ``s[start_m, start_m + h_m)``
+to its whole-sequence rows and returns ``ds`` for those heads (zeros elsewhere: its share).
 
 Volume per rank (elements; esize bytes each): forward ``(U-1)/U·c·2d`` for q and out plus
 ``2·B·c·D·(Σ_m n_m - n_me)`` for k, v (``= (U-1)/U·c·2d_kv`` when ``Hkv % U == 0``: docs/methods.md
-§4/§8); backward the same (dout out, dq, dk, dv back, in the input dtype).
+§4/§8); backward the same (dout out, dq, dk, dv back, in the input dtype). With uneven heads q and
+out are ``B·c·D·(Σ_{m≠me} h_m + (U-1)·h_me)`` and backward's dk, dv ``2·B·c·D·(U-1)·n_me``.
 
 Shared by ``ulysses`` and ``usp``: one autograd Function, :class:`UlyssesAttention`; the local step
 is either ``block_forward`` or ``ring_forward`` (never a copy of the ring loop).
@@ -40,8 +52,10 @@ from ..comm import CommStats, GroupInfo, all_to_all
 from ..kernels import block_backward, block_forward, window_band
 from ..kernels.varlen import varlen_backward, varlen_forward
 from ..layouts.ulysses import packed_heads
+from ..methods import head_shards
 from .checkpoint import active_tape
 from .executor import RingConfig, ring_backward, ring_forward
+from .sinks import apply_sinks, sinks_grad
 from .window import effective_window
 
 
@@ -70,11 +84,12 @@ class Segment:
 
 
 def split_heads(hq: int, hkv: int, u: int) -> tuple[HeadSplit, HeadSplit]:
-    """Query heads split evenly over ``u`` members; each member's KV heads = those its queries use."""
-    h, g = hq // u, hq // hkv
-    q = HeadSplit(tuple(m * h for m in range(u)), tuple((m + 1) * h for m in range(u)))
-    kv = HeadSplit(tuple(m * h // g for m in range(u)), tuple(((m + 1) * h - 1) // g + 1 for m in range(u)))
-    return q, kv
+    """Query heads split over ``u`` members as evenly as possible (:func:`seqpar.methods.head_shards`);
+    each member's KV heads = those its queries use. Needs ``hq >= u``."""
+    g, counts = hq // hkv, head_shards(hq, u)
+    starts = tuple(sum(counts[:m]) for m in range(u))
+    stops = tuple(a + n for a, n in zip(starts, counts))
+    return HeadSplit(starts, stops), HeadSplit(tuple(a // g for a in starts), tuple((b - 1) // g + 1 for b in stops))
 
 
 def gqa_segments(q_split: HeadSplit, kv_split: HeadSplit, g: int, m: int) -> tuple[Segment, ...]:
@@ -212,13 +227,17 @@ def _segment_backward(dout, q, k, v, out, lse, cfg: UlyssesConfig):
     return block_backward(dout, q, k, v, out, lse, scale=cfg.scale, mask=cfg.mask, backend=cfg.backend)
 
 
-def _local_forward(qh, kh, vh, cfg: UlyssesConfig):
-    """Attention of the local heads over the whole sequence: ``(out [B, L, h, D] in q's dtype, lse)``."""
+def _local_forward(qh, kh, vh, cfg: UlyssesConfig, sinks=None):
+    """Attention of the local heads over the whole sequence: ``(out [B, L, h, D] in q's dtype, lse)``,
+    with the local heads' ``sinks`` ``[h]`` applied when given."""
     if len(cfg.segments) == 1:
         out, lse = _segment_forward(qh, kh, vh, cfg)
-        return out.to(qh.dtype), lse
-    parts = [_segment_forward(qh[:, :, s.q], kh[:, :, s.kv], vh[:, :, s.kv], cfg) for s in cfg.segments]
-    return torch.cat([o.to(qh.dtype) for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=1)
+    else:
+        parts = [_segment_forward(qh[:, :, s.q], kh[:, :, s.kv], vh[:, :, s.kv], cfg) for s in cfg.segments]
+        out, lse = torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=1)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
+    return out.to(qh.dtype), lse
 
 
 def _local_backward(douth, qh, kh, vh, outh, lse, cfg: UlyssesConfig):
@@ -234,30 +253,43 @@ def _local_backward(douth, qh, kh, vh, outh, lse, cfg: UlyssesConfig):
     return [dq, dk, dv]
 
 
+def _local_sinks(sinks, cfg: UlyssesConfig):
+    """This member's slice ``[h]`` of the sinks ``[Hq]`` (None when there are none)."""
+    me = cfg.axis.rank
+    return None if sinks is None else sinks[cfg.q_split.start[me]:cfg.q_split.stop[me]]
+
+
 def _qkv_to_heads(q, k, v, cfg: UlyssesConfig):
     splits = (cfg.q_split, cfg.kv_split, cfg.kv_split)
     return seq_to_heads(cfg.axis, (q, k, v), splits, stats=cfg.stats, name="ulysses_qkv")
 
 
-def ulysses_forward(q, k, v, cfg: UlyssesConfig):
+def ulysses_forward(q, k, v, cfg: UlyssesConfig, sinks=None):
     """Sequence shards in, sequence shards out: ``out [B, c, Hq, D]`` in q's dtype.
 
     Also returns what backward needs: the head-sharded ``qh, kh, vh, outh`` and ``lse [B, h, L]``.
     """
     qh, kh, vh = _qkv_to_heads(q, k, v, cfg)
-    outh, lse = _local_forward(qh, kh, vh, cfg)
+    outh, lse = _local_forward(qh, kh, vh, cfg, _local_sinks(sinks, cfg))
     (out,) = heads_to_seq(cfg.axis, (outh,), (cfg.q_split,), cfg.heads[:1], stats=cfg.stats, name="ulysses_out")
     return out, (qh, kh, vh, outh, lse)
 
 
-def ulysses_backward(dout, saved, cfg: UlyssesConfig):
-    """``dout [B, c, Hq, D]`` -> ``dq [B, c, Hq, D]``, ``dk, dv [B, c, Hkv, D]`` in the input dtype."""
+def ulysses_backward(dout, saved, cfg: UlyssesConfig, sinks=None):
+    """``dout [B, c, Hq, D]`` -> ``dq [B, c, Hq, D]``, ``dk, dv [B, c, Hkv, D]`` in the input dtype,
+    and ``ds [Hq]`` (this member's heads; zeros elsewhere) when ``sinks`` is given."""
     qh, kh, vh, outh, lse = saved
     (douth,) = seq_to_heads(cfg.axis, (dout,), (cfg.q_split,), stats=cfg.stats, name="ulysses_dout")
     grads = _local_backward(douth, qh, kh, vh, outh, lse, cfg)
     splits = (cfg.q_split, cfg.kv_split, cfg.kv_split)
     heads = (cfg.heads[0], cfg.heads[1], cfg.heads[1])
-    return heads_to_seq(cfg.axis, grads, splits, heads, stats=cfg.stats, name="ulysses_dqkv")
+    dq, dk, dv = heads_to_seq(cfg.axis, grads, splits, heads, stats=cfg.stats, name="ulysses_dqkv")
+    ds = None
+    if sinks is not None:
+        me = cfg.axis.rank
+        ds = torch.zeros_like(sinks)
+        ds[cfg.q_split.start[me]:cfg.q_split.stop[me]] = sinks_grad(douth, outh, lse, _local_sinks(sinks, cfg))
+    return dq, dk, dv, ds
 
 
 class UlyssesAttention(torch.autograd.Function):
@@ -270,7 +302,7 @@ class UlyssesAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cfg: UlyssesConfig):
+    def forward(ctx, q, k, v, sinks, cfg: UlyssesConfig):
         if cfg.stats is not None:
             cfg.stats.phase = "fwd"
         tape = active_tape()
@@ -278,10 +310,10 @@ class UlyssesAttention(torch.autograd.Function):
             out, (outh, lse) = tape.replay(q)
             out, saved = out.detach(), (*_qkv_to_heads(q, k, v, cfg), outh, lse)
         else:
-            out, saved = ulysses_forward(q, k, v, cfg)
+            out, saved = ulysses_forward(q, k, v, cfg, sinks)
             if tape is not None:
                 tape.record(out.detach(), (saved[3].detach(), saved[4]))
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*saved, sinks)
         ctx.cfg = cfg
         return out
 
@@ -290,22 +322,17 @@ class UlyssesAttention(torch.autograd.Function):
         cfg = ctx.cfg
         if cfg.stats is not None:
             cfg.stats.phase = "bwd"
-        dq, dk, dv = ulysses_backward(dout.contiguous(), ctx.saved_tensors, cfg)
+        *saved, sinks = ctx.saved_tensors
+        dq, dk, dv, ds = ulysses_backward(dout.contiguous(), saved, cfg, sinks if ctx.needs_input_grad[3] else None)
         if cfg.stats is not None:
             cfg.stats.phase = "fwd"
-        return dq, dk, dv, None
+        return dq, dk, dv, ds, None
 
 
 def check_heads(q: torch.Tensor, degree: int, *, what: str) -> None:
-    """ValueError (before any communication) unless Hq is divisible by the Ulysses degree."""
-    hq = q.shape[2]
-    if hq % degree:
-        fits = [u for u in range(1, degree + 1) if degree % u == 0 and hq % u == 0]
-        raise ValueError(
-            f"q: Hq={hq} query heads cannot be split over {what}={degree} (Ulysses gives every rank "
-            f"Hq/{degree} heads): use a Ulysses degree that divides both ({fits}), e.g. method='usp' "
-            f"with ulysses_degree={fits[-1]}, or a ring-family method"
-        )
+    """ValueError (before any communication) when Hq < the Ulysses degree: a member would hold no
+    query head. Any other head count is served (uneven shards, :func:`split_heads`)."""
+    head_shards(q.shape[2], degree, what)
 
 
 def ulysses_config(axis: GroupInfo, q, k, call, ring: RingConfig | None = None, packed=None,
@@ -321,10 +348,10 @@ def ulysses_config(axis: GroupInfo, q, k, call, ring: RingConfig | None = None, 
 
 def run_ulysses(q, k, v, call) -> torch.Tensor:
     """Runner of the ``ulysses`` method: the whole group is the Ulysses axis."""
-    check_heads(q, call.info.size, what="the Ulysses degree (ranks in group)")
+    check_heads(q, call.info.size, what=f"the {call.info.size} ranks of the group (method='ulysses')")
     packed = None
     window = effective_window(call.window, call.packed, call.info.size * q.shape[1])
     if call.packed is not None:
         packed = packed_heads(call.packed, call.causal, window)
-    return UlyssesAttention.apply(q, k, v, ulysses_config(call.info, q, k, call, packed=packed, window=window))
-
+    return UlyssesAttention.apply(q, k, v, call.sinks,
+                                  ulysses_config(call.info, q, k, call, packed=packed, window=window))

@@ -28,8 +28,8 @@ subgroups are built on every call (collective, with a warning): build them once 
 are taken to be on one node. Why: the all-to-all wants the intra-node links and inside a node it
 moves fewer bytes than the ring for MHA ((U-1)/U·c·(2d+2d_kv) vs 2(U-1)·c·d_kv); the ring crosses
 nodes, where its transfers overlap compute. The default cannot depend on Hq because ``shard`` and
-``unshard`` (which see no heads) must agree with ``attention``; when Hq is not divisible by the
-default, the error names a degree that fits.
+``unshard`` (which see no heads) must agree with ``attention``; any Hq >= U is served (uneven head
+shards, :mod:`.ulysses`), and for Hq < U the error names a degree that fits.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ def run_usp(q, k, v, call) -> torch.Tensor:
     """
     spec = ring_method(call.ring_method)
     axes = describe_usp(call.group, call.ulysses_degree)
-    check_heads(q, axes.ulysses_degree, what="ulysses_degree" if call.ulysses_degree else
-                "the default ulysses_degree (gcd(N, ranks per node))")
+    u = axes.ulysses_degree
+    check_heads(q, u, what=f"ulysses_degree={u}" if call.ulysses_degree else
+                f"the default ulysses_degree={u} (gcd(N, ranks per node))")
     t_super = axes.ulysses_degree * q.shape[1]
     # a window acts on the ring axis: the super-shards are the ring layout of the global sequence
     window = effective_window(call.window, call.packed, t_super * axes.ring_degree)
@@ -73,7 +74,7 @@ def run_usp(q, k, v, call) -> torch.Tensor:
         axes = make_usp_groups(axes)
     ring = RingConfig(info=axes.ring, plan=plan, scale=call.scale, backend=call.backend,
                       grad_comm_dtype=call.grad_comm_dtype, stats=call.stats)
-    return UlyssesAttention.apply(q, k, v, ulysses_config(axes.ulysses, q, k, call, ring=ring))
+    return UlyssesAttention.apply(q, k, v, call.sinks, ulysses_config(axes.ulysses, q, k, call, ring=ring))
 
 
 __all__ = ["run_usp"]

@@ -118,7 +118,9 @@ def _expect(t: torch.Tensor, shape, like: torch.Tensor | None = None) -> None:
 
 # ---------------------------------------------------------------------------------------- softmax
 def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = False, usp: str = "flat",
-                  window: int | None = None):
+                  window: int | None = None, hq: int = HQ, sinks: bool = False):
+    """``window``: a sliding window; ``hq``: query heads (5: uneven Ulysses shards, uneven all-to-all
+    splits); ``sinks``: a CUDA ``[hq]`` sink tensor that needs a gradient."""
     def drive(run: RankRun) -> None:
         run.phase = "shard"
         group = _group(run, kind)
@@ -138,17 +140,19 @@ def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = Fals
                 opts = {}
         T = T_PACKED if packed else T_DENSE
         cu = seqpar.packed_layout(CU_SEQLENS, method=method, group=plain, **opts) if packed else None
+        hkv = HKV if hq % HKV == 0 else 1
         q, k, v, dout = (seqpar.shard(_tensor(run, 1, T, h, D), method=method, group=plain, cu_seqlens=cu, **opts)
-                         for h in (HQ, HKV, HKV, HQ))
+                         for h in (hq, hkv, hkv, hq))
+        s = _tensor(run, hq).requires_grad_() if sinks else None
         run.phase = "fwd"
         out = seqpar.attention(q, k, v, method=method, causal=True, group=group, cu_seqlens=cu,
-                               check_ranks=check_ranks, window=window, **opts)
+                               check_ranks=check_ranks, window=window, sinks=s, **opts)
         _expect(out, q.shape, q)
         run.phase = "bwd"
-        out.backward(dout)
+        out.backward(dout)  # the tape checks every gradient (ds too) against its input's shape and device
         run.phase = "unshard"
         _expect(seqpar.unshard(out, method=method, group=plain, cu_seqlens=cu, check_ranks=check_ranks, **opts),
-                (1, T, HQ, D), q)
+                (1, T, hq, D), q)
         if isinstance(group, TokenRingGroups):
             group.destroy()
 
@@ -194,6 +198,15 @@ def softmax_cases() -> list[Case]:
     for how in ("mesh", "make_usp_groups"):
         cases.append(Case("usp", "dense", f"2x2 {how}", softmax_drive("usp", False, "world", usp=how),
                           ci=how == "mesh", **_SOFTMAX))
+    # sinks (applied after the merge: no communication of their own) and uneven head shards (5 query
+    # heads: 2+1+1+1 over 4 Ulysses ranks, 3+2 over usp's 2)
+    for m in seqpar.METHODS:
+        cases.append(Case(m, "dense", "world, sinks", softmax_drive(m, False, "world", sinks=True),
+                          ci=m in ("zigzag_ring", "ulysses"), **_SOFTMAX))
+    for m in ("ulysses", "usp"):
+        for packed in (False, True):
+            cases.append(Case(m, "packed" if packed else "dense", "world, 5 heads, sinks",
+                              softmax_drive(m, packed, "world", hq=5, sinks=True), ci=not packed, **_SOFTMAX))
     return cases
 
 
