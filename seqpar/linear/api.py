@@ -15,6 +15,7 @@ from ..comm.agreement import (
 )
 from ..comm.groups import group_info
 from ..comm.stats import CommStats
+from ..tracing import Trace, begin, end, resolve
 from .geometry import build_shard, check_cu_seqlens
 from .kernels import fla_refusal, select_kernel
 from .ops import LinearConfig, LinearSPFunction
@@ -71,7 +72,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      group=None, method="zeco", scale: float | None = None,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                      cu_seqlens=None, stats: CommStats | None = None, backend: str | None = None,
-                     check_ranks: bool | None = None):
+                     check_ranks: bool | None = None, trace: Trace | None = None):
     """Gated linear attention over a sequence split contiguously across the ranks of ``group``.
 
     Semantics of flash-linear-attention's ``chunk_gla``, per head with state ``S [K, V]``:
@@ -112,11 +113,16 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     ``g`` on one rank), every rank raises the same ValueError naming the rank(s) instead of hanging.
     None (default) = the environment variable ``SEQPAR_CHECK_RANKS=1``, read at each call.
 
+    ``trace``: a :class:`seqpar.Trace` that records this rank's kernels and messages, forward and
+    backward (default: the enclosing ``with seqpar.trace(...)`` block's, else none).
+
     Raises ``ValueError`` naming the argument before any communication for bad input;
     :class:`seqpar.PeerError` when a peer rank crashes or times out during the call.
     """
+    trace = resolve(trace)
+    begin(trace, "linear fwd")
     info = group_info(group)
-    args = (method, scale, initial_state, output_final_state, cu_seqlens, stats, backend)
+    args = (method, scale, initial_state, output_final_state, cu_seqlens, stats, backend, trace)
     if not check_ranks_enabled(check_ranks):
         prepared = _prepare(q, k, v, g, info, *args)
         if prepared[2] is not None:  # packed: the same offsets on every rank (a 3-number all-gather, as
@@ -129,7 +135,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return _launch(q, k, v, g, initial_state, *prepared)
 
 
-def _fingerprint(q, k, v, g, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend):
+def _fingerprint(q, k, v, g, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend, trace):
     """What every rank of the group must pass identically."""
     grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, g, initial_state))
     return {"method": repr(method), "q of shape": shape_of(q), "k of shape": shape_of(k), "v of shape": shape_of(v),
@@ -140,7 +146,8 @@ def _fingerprint(q, k, v, g, method, scale, initial_state, output_final_state, c
             "backend": repr(backend), "inputs that need gradients (backward will run)": repr(grad)}
 
 
-def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend):
+def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend,
+             trace):
     """Every local check (no communication); returns what :func:`_launch` needs."""
     _validate(q, k, v, g, scale, initial_state, output_final_state, stats)
     plan = resolve_plan(method)
@@ -157,17 +164,18 @@ def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state,
                              f"{tuple(initial_state.shape)}")
     scale = float(kd ** -0.5 if scale is None else scale)
     kernel = select_kernel(q, backend)
-    return info, plan, cu, scale, kernel, output_final_state, stats, backend
+    return info, plan, cu, scale, kernel, output_final_state, stats, backend, trace
 
 
-def _launch(q, k, v, g, initial_state, info, plan, cu, scale, kernel, output_final_state, stats, backend):
+def _launch(q, k, v, g, initial_state, info, plan, cu, scale, kernel, output_final_state, stats, backend, trace):
     bsz, t_local = q.shape[:2]
     if info.single and backend is None and fla_refusal(q) is None:
         return _fla_single(q, k, v, g, scale, initial_state, output_final_state, cu)
     shard = build_shard(info.rank, info.size, bsz, t_local, cu)
     cfg = LinearConfig(info, plan, shard, kernel.layout(shard.seq_lens, q.device), kernel, scale,
-                       output_final_state, stats)
+                       output_final_state, stats, trace)
     out = LinearSPFunction.apply(q, k, v, g, initial_state, cfg)
+    end(trace, "linear fwd")
     return out if output_final_state else (out, None)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,6 +21,7 @@ from ..kernels import available_backends, check_qkv, select_backend
 from ..layouts import PackedLayout, check_cu_seqlens, placement
 from ..methods import Method, check_usp_options
 from ..methods import method as declared
+from ..tracing import Trace, begin, end, resolve
 from .executor import RingAttention, RingConfig
 from .packed import packed_schedule
 from .registry import dense_plan
@@ -91,7 +92,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
               causal: bool = False, softmax_scale: float | None = None, cu_seqlens=None,
               backend: str | None = None, stats: CommStats | None = None,
               grad_comm_dtype: str | None = None, ulysses_degree: int | None = None,
-              ring_method: str | None = None, check_ranks: bool | None = None) -> torch.Tensor:
+              ring_method: str | None = None, check_ranks: bool | None = None,
+              trace: Trace | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence split across the ranks of ``group``.
 
     Shapes (N = ranks in ``group``, ``T_local = T_global / N``):
@@ -131,11 +133,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             only, every rank raises the same ValueError naming the disagreeing rank(s) and argument
             instead of hanging. None (default) = the environment variable ``SEQPAR_CHECK_RANKS=1``
             (read at each call). With it on, the cu_seqlens comparison is part of that one gather.
+        trace: a :class:`seqpar.Trace` that records this rank's kernels, messages and their
+            dependencies, forward and backward (default: the enclosing ``with seqpar.trace(...)``
+            block's, else none; :mod:`seqpar.tracing`).
 
     Raises ``ValueError`` naming the argument, on every rank and before any communication, for bad
     shapes, dtypes, method, backend or lengths. Raises :class:`seqpar.PeerError` when a peer rank
     crashes or times out during the call.
     """
+    trace = resolve(trace)
+    begin(trace, "attention fwd")
     opts = dict(group=group, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                 backend=backend, stats=stats, grad_comm_dtype=grad_comm_dtype, ulysses_degree=ulysses_degree,
                 ring_method=ring_method)
@@ -146,7 +153,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         call = agreed(agreement_groups(group, usp=method == "usp", ulysses_degree=ulysses_degree), "seqpar.attention",
                       _fingerprint(q, k, v, **opts), lambda: _prepare(q, k, v, same_offsets_check=False, **opts),
                       device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
-    return FAMILIES[call.spec.family](q.contiguous(), k.contiguous(), v.contiguous(), call)
+    out = FAMILIES[call.spec.family](q.contiguous(), k.contiguous(), v.contiguous(), replace(call, trace=trace))
+    end(trace, "attention fwd")
+    return out
 
 
 def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
@@ -213,6 +222,7 @@ class CallSpec:
     ring_method: str | None = None
     channels: tuple | None = None  # extra communicators of a TokenRingGroups (one per traffic direction)
     packed: PackedLayout | None = None  # packed input: geometry built once (schedules cached on it)
+    trace: Trace | None = None  # records this call (seqpar.tracing)
 
 
 def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
@@ -221,7 +231,7 @@ def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
     else:
         plan = dense_plan(call.spec, call.info.rank, call.info.size, q.shape[1], call.causal)
     cfg = RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
-                     grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels)
+                     grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels, trace=call.trace)
     return RingAttention.apply(q, k, v, cfg)
 
 

@@ -1,0 +1,84 @@
+"""The dependencies of a traced schedule run: which recorded events produced the data a rank holds.
+
+The executor (:mod:`.executor`) runs a :class:`~seqpar.softmax.plans.Schedule`; with a
+:class:`seqpar.Trace` it also tells a :class:`RunBook` what happens, so that every compute event
+lists the receives (or collectives) whose operands it reads, and every send the computes and
+receives whose results it carries. The book holds ids only (no tensors), so
+:mod:`seqpar.bench.schedule_trace` drives the same book to build a trace from a schedule alone.
+
+Keys are ``(payload, owner)`` as in the schedules (``("kv", -1)``: the K,V of the previous member).
+"""
+
+from __future__ import annotations
+
+from ..tracing import Trace, block_flops, span
+from .plans import OPERANDS
+
+
+class RunBook:
+    """Producers of operands and results, and the deps of the sends of the batch being posted."""
+
+    def __init__(self) -> None:
+        self.operands: dict = {}  # (what, owner) -> ids of the events that brought it (none: own data)
+        self.results: dict = {}  # (what, owner) -> ids of the computes / receives folded into it
+        self.current: tuple = ()  # ids of the event producing the results being added now
+        self.batches: dict = {}  # (channel, what) -> deps of each send tensor posted in that batch
+
+    # ------------------------------------------------------------------ producers
+    def gathered(self, key: tuple, event: int) -> None:
+        """Operand ``key`` arrived with collective ``event``."""
+        self.operands[key] = [event]
+
+    def producing(self, ids) -> None:
+        """The results added from now on come from the events ``ids``."""
+        self.current = tuple(i for i in ids if i is not None)
+
+    def added(self, what: str, owner: int) -> None:
+        self.results.setdefault((what, owner), []).extend(self.current)
+
+    def needs(self, *keys) -> list:
+        """Ids of the events that brought the operands ``keys``."""
+        return [i for key in keys for i in self.operands.get(key, ())]
+
+    # ------------------------------------------------------------------ messages
+    def sending(self, batch: tuple, what: str, owner: int, tensors: int) -> None:
+        """A move of ``tensors`` wire tensors of ``(what, owner)`` joins the sends of ``batch``."""
+        if what in OPERANDS:
+            deps = list(self.operands.get((what, owner), ()))
+        else:  # results leave: what was folded into them goes with them
+            deps = self.results.pop((what, owner), [])
+        self.batches.setdefault(batch, []).extend([deps] * tensors)
+
+    def posted(self, batch: tuple) -> list:
+        """The deps of the sends of ``batch`` (aligned with its send list), now posted."""
+        return self.batches.pop(batch, [])
+
+    def arrived(self, what: str, owner: int, ids) -> None:
+        """Payload ``(what, owner)`` arrived in the receives ``ids`` (results: folded next)."""
+        if what in OPERANDS:
+            self.operands[(what, owner)] = list(ids)
+        else:
+            self.producing(ids)
+
+    def dropped(self, key: tuple) -> None:
+        self.operands.pop(key, None)
+
+
+def block_span(trace: Trace | None, book: RunBook | None, task, block, q, k, bwd: bool):
+    """Time one block call (``q [B, rows, Hq, D]`` against ``k [B, cols, Hkv, D]``) in ``trace``: its
+    FLOPs by the bench's formula, the operands it reads as deps; the results added meanwhile are
+    this compute's. A shared no-op context without a trace."""
+    if trace is None:
+        return span(None, "")
+    b, rows, hq, d = q.shape
+    pairs = block.segments.pairs if block.segments is not None else None
+    flops = block_flops(b, rows, k.shape[1], hq, d, block.mask, bwd, pairs=pairs)
+    name = ("varlen_" if pairs is not None else "block_") + ("bwd" if bwd else "fwd")
+    ev = trace.compute(name, flops=flops, shape=(b, rows, k.shape[1], hq, k.shape[2], d),
+                       mask=None if pairs is not None else block.mask,
+                       deps=book.needs(("q", task.q), ("kv", task.kv)))
+    book.producing([ev.id])
+    return ev
+
+
+__all__ = ["RunBook", "block_span"]
