@@ -82,6 +82,14 @@ def linear_flops(batch: int, seq_len: int, heads: int, key_dim: int, value_dim: 
     return fwd, 2.0 * fwd
 
 
+def linear_part_flops(batch: int, seq_len: int, heads: int, key_dim: int, value_dim: int, part: str,
+                      backward: bool = False, chunk: int = 64) -> float:
+    """One linear-attention kernel's share of :func:`linear_flops`: ``"intra"`` ``2·C·(K+V)``,
+    ``"states"`` / ``"output"`` ``2·K·V`` per token and head; backward twice that."""
+    per = 2.0 * chunk * (key_dim + value_dim) if part == "intra" else 2.0 * key_dim * value_dim
+    return float(batch) * seq_len * heads * per * (2.0 if backward else 1.0)
+
+
 class _Span:
     """A compute event being timed (``with trace.compute(...) as ev``; ``ev.id`` is its id)."""
 
@@ -245,4 +253,4 @@ def end(rec: Trace | None, name: str) -> None:
 
 
 __all__ = ["FORMAT", "VERSION", "Trace", "active_trace", "attention_flops", "begin", "block_flops", "end",
-           "linear_flops", "resolve", "span", "trace"]
+           "linear_flops", "linear_part_flops", "resolve", "span", "trace"]

@@ -96,7 +96,12 @@ class KernelModel:
         b, rows, cols, hq, hkv, d = ev["shape"]
         length = math.sqrt(max(rows, 1) * max(cols, 1))
         t = flops / self.rate("bwd" if bwd else "fwd", ev.get("mask"), length, d)
-        return t + self.epilogue_bytes(b, rows, cols, hq, hkv, d, bwd) / self.hbm_bytes_per_s + self.launch_s
+        extra = self.epilogue_bytes(b, rows, cols, hq, hkv, d, bwd)
+        if bwd and hkv < hq and self.family == "fa2":
+            # FlashAttention-2's backward writes dK, dV for every query head and sums the groups after
+            # the kernel (flash-attention, csrc/flash_attn/flash_api.cpp, mha_bwd: dk_expanded, sum_out)
+            extra += b * cols * d * 2 * (2 * hq * 2 + hkv * 2)
+        return t + extra / self.hbm_bytes_per_s + self.launch_s
 
     @staticmethod
     def epilogue_bytes(b, rows, cols, hq, hkv, d, bwd: bool, esize: int = 2) -> float:

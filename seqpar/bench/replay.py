@@ -22,13 +22,13 @@ exposed (blocked) communication time; the step is the last rank's end.
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from seqpar.tracing import Trace
 
 from .machine import Machine
-from .trace_check import check_traces, match_messages
+from .trace_check import check_traces
 
 
 @dataclass
@@ -61,35 +61,39 @@ class _Msg:
     __slots__ = ("src", "dst", "nbytes", "chan", "send_id", "recv_id", "posted", "unready", "start", "done",
                  "left", "rate", "t", "version", "ports")
 
-    def __init__(self, src, dst, nbytes, chan, send_id, recv_id):
+    def __init__(self, src, dst, nbytes, chan):
         self.src, self.dst, self.nbytes, self.chan = src, dst, nbytes, chan
-        self.send_id, self.recv_id = send_id, recv_id
+        self.send_id = self.recv_id = None
         self.posted, self.unready, self.start, self.done = 0, 0, None, None
         self.left, self.rate, self.t, self.version, self.ports = float(nbytes), 0.0, 0.0, 0, ()
 
 
 class _Sim:
-    """The event loop; see the module docstring. Time in seconds."""
+    """The event loop; see the module docstring. Time in seconds. ``sources[r]`` yields rank r's
+    events in order (a list, or a generator: schedule traces of 1024 ranks are never held whole);
+    messages and collectives are matched as they are posted (k-th send with k-th receive)."""
 
-    def __init__(self, traces: list[Trace], m: Machine):
-        self.m, self.traces = m, traces
-        self.n = len(traces)
+    def __init__(self, sources, m: Machine, detail: bool = True, host_gaps=None):
+        self.m, self.n, self.detail = m, len(sources), detail
+        self.src = [iter(x) for x in sources]
+        self.cur = [next(it, None) for it in self.src]
+        self.reached = [0] * self.n  # ids below this were reached by the rank
         self.heap: list = []
         self.seq = 0
         self.res = [RankResult(r) for r in range(self.n)]
-        self.pc = [0] * self.n
         self.gap_done = [False] * self.n
-        self.done: list[dict] = [dict() for _ in range(self.n)]  # rank -> {event id: time}
-        self.waiters: list[dict] = [defaultdict(list) for _ in range(self.n)]  # id -> [callbacks]
-        self.blocked: list = [None] * self.n  # (since, missing ids) while blocked
-        raw, self.by_send, self.by_recv = match_messages(traces)
-        self.msgs = [_Msg(*x) for x in raw]
-        self.colls = _match_collectives(traces)
+        self.pending: list = [set() for _ in range(self.n)]  # reached, not complete
+        self.waiters: list[dict] = [defaultdict(list) for _ in range(self.n)]
+        self.sends: dict = defaultdict(deque)  # (src, dst, chan, tag) -> posted sends not yet received
+        self.recvs: dict = defaultdict(deque)
+        self.by_event: dict = {}  # (rank, id) -> _Msg
+        self.colls: dict = {}
+        self.coll_count: dict = defaultdict(int)
         self.port_flows: dict = defaultdict(set)
         self.active = [0] * self.n  # transfers in flight per rank (overlap slowdown)
-        self.comp: list = [None] * self.n  # running compute: [left seconds at full speed, t, version, ev]
+        self.comp: list = [None] * self.n  # running compute: [left seconds at full speed, t, version, ev, start]
         self.messages_out: list = []
-        self.gaps = [_host_gaps(t.events) if m.host else None for t in traces]
+        self.gaps = host_gaps if m.host else None
 
     # ----------------------------------------------------------------------------- loop
     def push(self, t: float, kind: str, *payload) -> None:
@@ -102,11 +106,16 @@ class _Sim:
         while self.heap:
             t, _, kind, payload = heapq.heappop(self.heap)
             getattr(self, "_on_" + kind)(t, *payload)
-        stuck = [r for r in range(self.n) if self.pc[r] < len(self.traces[r].events)]
+        stuck = [r for r in range(self.n) if self.cur[r] is not None]
         if stuck:
             r = stuck[0]
-            raise ValueError(f"traces: the replay deadlocks: rank {r} never gets past event "
-                             f"{self.traces[r].events[self.pc[r]]} (a message or collective without its partner)")
+            raise ValueError(f"traces: the replay deadlocks: rank {r} never gets past event {self.cur[r]} "
+                             f"(a message or collective without its partner)")
+        left = [k for q in (self.sends, self.recvs) for k, v in q.items() if v]
+        if left:
+            src, dst, chan, tag = left[0]
+            raise ValueError(f"traces: a message {src} -> {dst} on stream {chan!r} tag {tag} has no partner: "
+                             f"every send needs its receive")
         return ReplayResult(max(x.end_s for x in self.res), self.res, self.messages_out, self.m.to_dict())
 
     def _on_resume(self, t: float, r: int) -> None:
@@ -114,40 +123,48 @@ class _Sim:
 
     def finish(self, r: int, eid: int, t: float) -> None:
         """Event ``eid`` of rank ``r`` is complete at ``t``: release what waited for it."""
-        self.done[r][eid] = t
+        self.pending[r].discard(eid)
         for cb in self.waiters[r].pop(eid, ()):
             cb(t)
 
+    def is_done(self, r: int, eid: int) -> bool:
+        return eid < self.reached[r] and eid not in self.pending[r]
+
     def when_done(self, r: int, eid: int, cb) -> None:
-        if eid in self.done[r]:
-            cb(self.done[r][eid])
-        else:
-            self.waiters[r][eid].append(cb)
+        self.waiters[r][eid].append(cb)
+
+    def next_event(self, r: int) -> None:
+        self.cur[r] = next(self.src[r], None)
+        self.gap_done[r] = False
+
+    def note(self, r: int, interval: tuple) -> None:
+        if self.detail:
+            self.res[r].timeline.append(interval)
 
     # ----------------------------------------------------------------------------- ranks
     def advance(self, r: int, t: float) -> None:
-        evs = self.traces[r].events
-        while self.pc[r] < len(evs):
-            ev = evs[self.pc[r]]
-            gap = self.gaps[r][self.pc[r]] if self.gaps[r] is not None else 0.0
+        while self.cur[r] is not None:
+            ev = self.cur[r]
+            gap = self.gaps[r][ev["id"]] if self.gaps is not None else 0.0
             if gap > 0 and not self.gap_done[r]:
                 self.gap_done[r] = True
                 self.res[r].host_s += gap
-                self.res[r].timeline.append((t, t + gap, "host", ""))
+                self.note(r, (t, t + gap, "host", ""))
                 self.push(t + gap, "resume", r)
                 return
             kind = ev["type"]
+            self.reached[r] = ev["id"] + 1
             if kind == "compute":
+                self.pending[r].add(ev["id"])
                 self.start_compute(r, ev, t)
                 return
-            if kind == "wait" and not self.try_wait(r, ev, t):
+            if kind == "wait" and not self.block(r, t, ev["ids"], "wait", ""):
                 return
             if kind == "coll" and not self.arrive(r, ev, t):
                 return
             if kind in ("send", "recv"):
                 self.post(r, ev, t)
-            self.pc[r] += 1
-            self.gap_done[r] = False
+            self.next_event(r)
         self.res[r].end_s = t
 
     def start_compute(self, r: int, ev: dict, t: float) -> None:
@@ -160,7 +177,7 @@ class _Sim:
 
     def _schedule_compute(self, r: int, t: float) -> None:
         c = self.comp[r]
-        c[2] += 1
+        c[2] = self.seq + 1  # unique: a stale completion of an earlier compute never matches a later one
         self.push(t + c[0] / self._speed(r), "computed", r, c[2])
 
     def _rate_change(self, r: int, t: float, before: float) -> None:
@@ -178,43 +195,51 @@ class _Sim:
         ev, start = c[3], c[4]
         self.comp[r] = None
         self.res[r].compute_s += t - start
-        self.res[r].timeline.append((start, t, "compute", ev["name"]))
+        self.note(r, (start, t, "compute", ev["name"]))
         self.finish(r, ev["id"], t)
-        self.pc[r] += 1
-        self.gap_done[r] = False
+        self.next_event(r)
         self.advance(r, t)
 
     def block(self, r: int, t: float, ids, kind: str, name: str) -> bool:
-        missing = [i for i in ids if i not in self.done[r]]
+        missing = [i for i in ids if not self.is_done(r, i)]
         if not missing:
             return True
-        state = {"left": len(missing), "since": t}
+        state = [len(missing)]
 
-        def release(tt: float, r=r, state=state):
-            state["left"] -= 1
-            if state["left"] == 0:
-                self.res[r].exposed_comm_s += tt - state["since"]
-                self.res[r].timeline.append((state["since"], tt, kind, name))
-                self.pc[r] += 1
-                self.gap_done[r] = False
+        def release(tt: float, r=r, state=state, since=t):
+            state[0] -= 1
+            if state[0] == 0:
+                self.res[r].exposed_comm_s += tt - since
+                self.note(r, (since, tt, kind, name))
+                self.next_event(r)
                 self.push(tt, "resume", r)
 
         for i in missing:
             self.when_done(r, i, release)
         return False
 
-    def try_wait(self, r: int, ev: dict, t: float) -> bool:
-        return self.block(r, t, ev["ids"], "wait", "")
-
     # ----------------------------------------------------------------------------- messages
     def post(self, r: int, ev: dict, t: float) -> None:
-        msg = self.msgs[self.by_send[(r, ev["id"])] if ev["type"] == "send" else self.by_recv[(r, ev["id"])]]
+        key = (ev["src"], ev["dst"], ev["chan"], ev["tag"])
+        mine, theirs = (self.sends, self.recvs) if ev["type"] == "send" else (self.recvs, self.sends)
+        if theirs[key]:
+            msg = theirs[key].popleft()
+            if msg.nbytes != ev["bytes"]:
+                raise ValueError(f"traces: a message {key[0]} -> {key[1]} on {key[2]!r} tag {key[3]} is posted with "
+                                 f"{msg.nbytes} and {ev['bytes']} bytes by its two ends")
+        else:
+            msg = _Msg(ev["src"], ev["dst"], ev["bytes"], ev["chan"])
+            mine[key].append(msg)
+        self.pending[r].add(ev["id"])
         msg.posted += 1
         if ev["type"] == "send":
-            deps = [d for d in ev.get("deps", ()) if d not in self.done[r]]
+            msg.send_id = ev["id"]
+            deps = [d for d in ev.get("deps", ()) if not self.is_done(r, d)]
             msg.unready = len(deps)
             for d in deps:
                 self.when_done(r, d, lambda tt, msg=msg: self._ready(msg, tt))
+        else:
+            msg.recv_id = ev["id"]
         self.try_start(msg, t)
 
     def _ready(self, msg: _Msg, t: float) -> None:
@@ -263,7 +288,8 @@ class _Sim:
         self._rerate(msg.ports, t)
         _, lat = self.m.link(msg.src, msg.dst)
         msg.done = t + lat
-        self.messages_out.append((msg.src, msg.dst, msg.start, msg.done, msg.nbytes, msg.chan))
+        if self.detail:
+            self.messages_out.append((msg.src, msg.dst, msg.start, msg.done, msg.nbytes, msg.chan))
         self.push(msg.done, "delivered", msg)
 
     def _on_delivered(self, t: float, msg: _Msg) -> None:
@@ -272,9 +298,14 @@ class _Sim:
 
     # ----------------------------------------------------------------------------- collectives
     def arrive(self, r: int, ev: dict, t: float) -> bool:
-        inst = self.colls[(r, ev["id"])]
+        key = (tuple(ev["members"]), ev["kind"])
+        k = self.coll_count[(r, key)]
+        self.coll_count[(r, key)] += 1
+        inst = self.colls.setdefault((key, k), {"members": key[0], "kind": ev["kind"], "arrived": {}})
         inst["arrived"][r] = (t, ev)
+        self.pending[r].add(ev["id"])
         if len(inst["arrived"]) == len(inst["members"]):
+            del self.colls[(key, k)]
             self._start_collective(inst, t)
         if ev.get("async"):
             return True
@@ -315,23 +346,6 @@ def _host_gaps(events: list[dict]) -> list[float]:
     return gaps
 
 
-def _match_collectives(traces: list[Trace]) -> dict:
-    """(rank, event id) -> the collective instance it is part of (k-th call on the same members)."""
-    count: dict = defaultdict(int)
-    instances: dict = {}
-    out = {}
-    for r, tr in enumerate(traces):
-        for ev in tr.events:
-            if ev["type"] != "coll":
-                continue
-            key = (tuple(ev["members"]), ev["kind"])
-            k = count[(r, key)]
-            count[(r, key)] += 1
-            inst = instances.setdefault((key, k), {"members": key[0], "kind": ev["kind"], "arrived": {}})
-            out[(r, ev["id"])] = inst
-    return out
-
-
 def collective_seconds(inst: dict, m: Machine) -> float:
     """Duration of a collective by its algorithm on ``m``'s links (module docstring)."""
     members, kind = inst["members"], inst["kind"]
@@ -362,15 +376,25 @@ def collective_seconds(inst: dict, m: Machine) -> float:
     raise ValueError(f"traces: unknown collective kind {kind!r}")
 
 
-def replay(traces, m: Machine, *, expect: dict | None = None) -> ReplayResult:
+def replay(traces, m: Machine, *, expect: dict | None = None, detail: bool | None = None) -> ReplayResult:
     """Replay one step of the traces of all ranks (``traces[r]`` of global rank r: :class:`Trace`
-    objects or their dicts) on machine ``m``. ``expect`` (e.g. ``{"method": ..., "world_size": ...}``)
-    must match every trace's meta: ValueError naming the rank and key otherwise, as for traces that
-    are inconsistent (a send without its receive, a collective some members lack, cyclic deps)."""
-    traces = [t if isinstance(t, Trace) else Trace.from_dict(t, source=f"trace of rank {i}")
-              for i, t in enumerate(traces)]
-    check_traces(traces, expect=expect)
-    return _Sim(traces, m).run()
+    objects or their dicts, checked first by :func:`.trace_check.check_traces`, or event iterators
+    such as :func:`.schedule_trace.rank_events`) on machine ``m``. ``expect`` (e.g.
+    ``{"method": ..., "world_size": ...}``) must match every trace's meta: ValueError naming the rank
+    and key otherwise, as for traces that are inconsistent (a send without its receive, a collective
+    some members lack, cyclic deps). ``detail``: keep timelines and messages for the exports
+    (default: up to 64 ranks)."""
+    if all(isinstance(t, (Trace, dict)) for t in traces):
+        traces = [t if isinstance(t, Trace) else Trace.from_dict(t, source=f"trace of rank {i}")
+                  for i, t in enumerate(traces)]
+        check_traces(traces, expect=expect)
+        gaps = [_host_gaps(t.events) for t in traces]
+        traces = [t.events for t in traces]
+    else:
+        gaps = None
+        if m.host:
+            raise ValueError("traces: event streams carry no CPU times; replay them with a GPU kernel model")
+    return _Sim(traces, m, len(traces) <= 64 if detail is None else detail, gaps).run()
 
 
 __all__ = ["RankResult", "ReplayResult", "collective_seconds", "replay"]

@@ -21,7 +21,7 @@ import torch
 from ..comm.groups import GroupInfo
 from ..comm.stats import CommStats
 from ..kernels.linear_chunk import CHUNK, ChunkLayout
-from ..tracing import Trace, begin, end, span
+from ..tracing import Trace, begin, end, linear_part_flops, span
 from .geometry import LinearShard
 from .plans import ScanPlan, make_exchange
 
@@ -42,11 +42,8 @@ class LinearConfig:
 
 
 def _flops(q, v, part: str, bwd: bool = False) -> float:
-    """One kernel's share of the bench's linear-attention FLOPs (seqpar.tracing.linear_flops):
-    ``intra`` 2·C·(K+V), ``states`` / ``output`` 2·K·V per token and head; backward twice that."""
-    b, t, hh, kd = q.shape
-    per = 2.0 * CHUNK * (kd + v.shape[-1]) if part == "intra" else 2.0 * kd * v.shape[-1]
-    return b * t * hh * per * (2.0 if bwd else 1.0)
+    """One kernel's share of the bench's linear-attention FLOPs (seqpar.tracing.linear_part_flops)."""
+    return linear_part_flops(*q.shape, v.shape[-1], part, bwd, CHUNK)
 
 
 def _rows_to_seqs(rows: torch.Tensor, seqs: tuple[int, ...], n_seq: int) -> torch.Tensor | None:

@@ -178,8 +178,6 @@ class _Run:
                 a[self._sl(w, rows)] += r
 
     def add(self, what: str, owner: int, rows: slice, res: tuple) -> None:
-        if self.book is not None:
-            self.book.added(what, owner)
         if owner == 0:
             self._fold(self.mine[what], what, rows, res)
         else:

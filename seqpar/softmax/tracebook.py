@@ -21,26 +21,22 @@ class RunBook:
     def __init__(self) -> None:
         self.operands: dict = {}  # (what, owner) -> ids of the events that brought it (none: own data)
         self.results: dict = {}  # (what, owner) -> ids of the computes / receives folded into it
-        self.current: tuple = ()  # ids of the event producing the results being added now
         self.batches: dict = {}  # (channel, what) -> deps of each send tensor posted in that batch
 
-    # ------------------------------------------------------------------ producers
     def gathered(self, key: tuple, event: int) -> None:
         """Operand ``key`` arrived with collective ``event``."""
         self.operands[key] = [event]
-
-    def producing(self, ids) -> None:
-        """The results added from now on come from the events ``ids``."""
-        self.current = tuple(i for i in ids if i is not None)
-
-    def added(self, what: str, owner: int) -> None:
-        self.results.setdefault((what, owner), []).extend(self.current)
 
     def needs(self, *keys) -> list:
         """Ids of the events that brought the operands ``keys``."""
         return [i for key in keys for i in self.operands.get(key, ())]
 
-    # ------------------------------------------------------------------ messages
+    def computed(self, event: int, q: int, kv: int, bwd: bool) -> None:
+        """Compute ``event`` of task ``(q, kv)`` added results for member q's rows (and, backward, kv's)."""
+        self.results.setdefault(("out", q), []).append(event)
+        if bwd:
+            self.results.setdefault(("dkv", kv), []).append(event)
+
     def sending(self, batch: tuple, what: str, owner: int, tensors: int) -> None:
         """A move of ``tensors`` wire tensors of ``(what, owner)`` joins the sends of ``batch``."""
         if what in OPERANDS:
@@ -54,14 +50,11 @@ class RunBook:
         return self.batches.pop(batch, [])
 
     def arrived(self, what: str, owner: int, ids) -> None:
-        """Payload ``(what, owner)`` arrived in the receives ``ids`` (results: folded next)."""
+        """Payload ``(what, owner)`` arrived in the receives ``ids``."""
         if what in OPERANDS:
             self.operands[(what, owner)] = list(ids)
         else:
-            self.producing(ids)
-
-    def dropped(self, key: tuple) -> None:
-        self.operands.pop(key, None)
+            self.results.setdefault((what, owner), []).extend(ids)
 
 
 def block_span(trace: Trace | None, book: RunBook | None, task, block, q, k, bwd: bool):
@@ -70,15 +63,19 @@ def block_span(trace: Trace | None, book: RunBook | None, task, block, q, k, bwd
     this compute's. A shared no-op context without a trace."""
     if trace is None:
         return span(None, "")
-    b, rows, hq, d = q.shape
-    pairs = block.segments.pairs if block.segments is not None else None
-    flops = block_flops(b, rows, k.shape[1], hq, d, block.mask, bwd, pairs=pairs)
-    name = ("varlen_" if pairs is not None else "block_") + ("bwd" if bwd else "fwd")
-    ev = trace.compute(name, flops=flops, shape=(b, rows, k.shape[1], hq, k.shape[2], d),
-                       mask=None if pairs is not None else block.mask,
-                       deps=book.needs(("q", task.q), ("kv", task.kv)))
-    book.producing([ev.id])
+    ev = trace.compute(**block_event(task, block, q.shape, k.shape, bwd, book))
+    book.computed(ev.id, task.q, task.kv, bwd)
     return ev
 
 
-__all__ = ["RunBook", "block_span"]
+def block_event(task, block, q_shape, k_shape, bwd: bool, book: RunBook) -> dict:
+    """The fields of a block's compute event (also built from a schedule alone, seqpar.bench)."""
+    b, rows, hq, d = q_shape
+    pairs = block.segments.pairs if block.segments is not None else None
+    return {"name": ("varlen_" if pairs is not None else "block_") + ("bwd" if bwd else "fwd"),
+            "flops": block_flops(b, rows, k_shape[1], hq, d, block.mask, bwd, pairs=pairs),
+            "shape": (b, rows, k_shape[1], hq, k_shape[2], d), "mask": None if pairs is not None else block.mask,
+            "deps": book.needs(("q", task.q), ("kv", task.kv))}
+
+
+__all__ = ["RunBook", "block_event", "block_span"]
