@@ -64,6 +64,18 @@ OVERLAP_SLOWDOWN = 0.189
 LAUNCH_S = 5e-6
 
 
+# Bytes moved per element by the code that folds a block's results into fp32 accumulators (bf16 inputs):
+# (forward per output element, backward per dq element, backward per dK and per dV element).
+# seqpar (executor.py, kernels/merge.py): forward, out.to(fp32) (2 + 4) then acc.lerp_(out32, w) (3 x 4);
+#   backward, acc += block result (4 + 2 + 4) for dq, and for dK, dV also the wire stack and a fresh
+#   accumulator per step (+ 12).
+# ring-flash-attention (utils.py _update_out_and_lse, counted unfused): block_out.to(fp32) (6),
+#   exp(..) * out (8), exp(..) * block_out (8), their sum (12): 34; backward dq += dq_buffer,
+#   dk += dk_buffer, dv += dv_buffer (10 each). Used to check the replay against its published table.
+# "none": the kernel alone (flash_attn on one GPU: ring-flash-attention's ideal).
+EPILOGUES = {"seqpar": (18, 10, 22), "ring-flash-attention": (34, 10, 10), "none": (0, 0, 0)}
+
+
 @dataclass(frozen=True)
 class KernelModel:
     """Seconds of a traced compute event on a GPU: FLOPs at the published rate for its length and mask
@@ -77,6 +89,7 @@ class KernelModel:
     linear_flops_per_s: tuple[float, float]  # (forward, backward)
     overlap_slowdown: float = OVERLAP_SLOWDOWN
     launch_s: float = LAUNCH_S
+    merge: str = "seqpar"  # whose epilogue (EPILOGUES)
 
     def rate(self, pass_: str, mask: str, length: float, head_dim: int) -> float:
         """FLOP/s of a block of ``length`` (geometric mean of its query and key lengths)."""
@@ -103,16 +116,14 @@ class KernelModel:
             extra += b * cols * d * 2 * (2 * hq * 2 + hkv * 2)
         return t + extra / self.hbm_bytes_per_s + self.launch_s
 
-    @staticmethod
-    def epilogue_bytes(b, rows, cols, hq, hkv, d, bwd: bool, esize: int = 2) -> float:
-        """HBM traffic of folding one block's results into the fp32 accumulators (executor.py, merge.py):
-        forward, the block's output is cast to fp32 (``esize + 4`` bytes per element) and lerped into
-        the accumulator (``3·4``), plus the lse; backward, dq (``rows·Hq·D``) and dK, dV
-        (``2·cols·Hkv·D``) are added to fp32 sums (``8 + esize``), and dK, dV are stacked for the wire
-        and their sums started afresh (``12``)."""
+    def epilogue_bytes(self, b, rows, cols, hq, hkv, d, bwd: bool) -> float:
+        """HBM traffic of folding one block's results into the accumulators: :attr:`merge` bytes per
+        output element forward (plus 12 per row and head for the lse), backward per dq element and per
+        dK, dV element (:data:`EPILOGUES`)."""
+        fwd, dq, dkv = EPILOGUES[self.merge]
         if not bwd:
-            return b * rows * hq * (d * (16 + esize) + 12)
-        return b * d * (rows * hq * (8 + esize) + 2 * cols * hkv * (20 + esize))
+            return b * rows * hq * (d * fwd + 12)
+        return b * d * (rows * hq * dq + 2 * cols * hkv * dkv)
 
 
 def _interp(values, length: float) -> float:

@@ -59,13 +59,18 @@ class ReplayResult:
 
 class _Msg:
     __slots__ = ("src", "dst", "nbytes", "chan", "send_id", "recv_id", "posted", "unready", "start", "done",
-                 "left", "rate", "t", "version", "ports")
+                 "left", "rate", "t", "version", "ports", "sim")
 
-    def __init__(self, src, dst, nbytes, chan):
-        self.src, self.dst, self.nbytes, self.chan = src, dst, nbytes, chan
+    def __init__(self, src, dst, nbytes, chan, sim):
+        self.src, self.dst, self.nbytes, self.chan, self.sim = src, dst, nbytes, chan, sim
         self.send_id = self.recv_id = None
         self.posted, self.unready, self.start, self.done = 0, 0, None, None
         self.left, self.rate, self.t, self.version, self.ports = float(nbytes), 0.0, 0.0, 0, ()
+
+    def ready(self, t: float) -> None:
+        """One of the results this message carries is computed."""
+        self.unready -= 1
+        self.sim.try_start(self, t)
 
 
 class _Sim:
@@ -212,7 +217,7 @@ class _Sim:
                 self.res[r].exposed_comm_s += tt - since
                 self.note(r, (since, tt, kind, name))
                 self.next_event(r)
-                self.push(tt, "resume", r)
+                self.advance(r, tt)  # now: nothing earlier is left in the queue
 
         for i in missing:
             self.when_done(r, i, release)
@@ -228,23 +233,23 @@ class _Sim:
                 raise ValueError(f"traces: a message {key[0]} -> {key[1]} on {key[2]!r} tag {key[3]} is posted with "
                                  f"{msg.nbytes} and {ev['bytes']} bytes by its two ends")
         else:
-            msg = _Msg(ev["src"], ev["dst"], ev["bytes"], ev["chan"])
+            msg = _Msg(ev["src"], ev["dst"], ev["bytes"], ev["chan"], self)
             mine[key].append(msg)
         self.pending[r].add(ev["id"])
         msg.posted += 1
         if ev["type"] == "send":
             msg.send_id = ev["id"]
-            deps = [d for d in ev.get("deps", ()) if not self.is_done(r, d)]
-            msg.unready = len(deps)
-            for d in deps:
-                self.when_done(r, d, lambda tt, msg=msg: self._ready(msg, tt))
+            pending, reached = self.pending[r], self.reached[r]
+            deps = [d for d in ev["deps"] if d >= reached or d in pending]
+            if deps:
+                msg.unready = len(deps)
+                ready = msg.ready
+                for d in deps:
+                    self.waiters[r][d].append(ready)
         else:
             msg.recv_id = ev["id"]
         self.try_start(msg, t)
 
-    def _ready(self, msg: _Msg, t: float) -> None:
-        msg.unready -= 1
-        self.try_start(msg, t)
 
     def try_start(self, msg: _Msg, t: float) -> None:
         if msg.posted < 2 or msg.unready or msg.start is not None:
@@ -264,11 +269,12 @@ class _Sim:
         return self.m.intra_bw if port[1] == "fab" else self.m.inter_bw
 
     def _rerate(self, ports, t: float) -> None:
-        flows = set()
-        for p in ports:
-            flows |= self.port_flows[p]
+        pf = self.port_flows
+        a, b = pf[ports[0]], pf[ports[1]]
+        flows = a | b if len(a) + len(b) > 1 else (a or b)
         for f in flows:
-            rate = min(self._capacity(p) / len(self.port_flows[p]) for p in f.ports)
+            p, q = f.ports
+            rate = min(self._capacity(p) / len(pf[p]), self._capacity(q) / len(pf[q]))
             if rate == f.rate:
                 continue
             f.left -= (t - f.t) * f.rate

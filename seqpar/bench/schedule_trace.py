@@ -79,30 +79,34 @@ def ring_pass(em: _Emit, sched, me: int, ranks: list[int], t_local: int, s: Shap
         for j in range(n):
             if j != idx:
                 book.gathered(("kv", (j - idx) % n), ev["id"])
+    tags = {w: [4 * PAYLOADS.index(w) + i for i in range(len(WIRES[(w, bwd)]))] for w in PAYLOADS
+            if (w, bwd) in WIRES}
+    chans = {w: f"{sched.name}_{w}" for w in tags}
     for step in sched.steps:
         batches: dict = {}
         for m in step.moves:
-            if (m.what, bwd) not in WIRES:
+            what = m.what
+            if what not in tags:  # dK,dV moves are for the backward pass only
                 continue
-            wires = WIRES[(m.what, bwd)]
-            sends, recvs, arrivals = batches.setdefault((m.channel, m.what), ([], [], []))
-            sizes = sizes_of.get((m.what, m.rows.stop - m.rows.start))
+            rows = m.rows.stop - m.rows.start
+            sends, recvs, arrivals = batches.setdefault((m.channel, what), ([], [], []))
+            sizes = sizes_of.get((what, rows))
             if sizes is None:
-                sizes = sizes_of[(m.what, m.rows.stop - m.rows.start)] = [
-                    _wire_bytes(w, m.rows.stop - m.rows.start, s, heads) for w in wires]
+                sizes = sizes_of[(what, rows)] = [_wire_bytes(w, rows, s, heads) for w in WIRES[(what, bwd)]]
             if m.send:
-                sends += [(m.peer, size, 4 * PAYLOADS.index(m.what) + i) for i, size in enumerate(sizes)]
-                book.sending((m.channel, m.what), m.what, m.owner, len(wires))
+                sends += [(m.peer, size, tag) for size, tag in zip(sizes, tags[what])]
+                book.sending((m.channel, what), what, m.owner, len(sizes))
             else:
-                recvs += [(m.peer, size, 4 * PAYLOADS.index(m.what) + i) for i, size in enumerate(sizes)]
-                arrivals.append((m, len(wires)))
+                recvs += [(m.peer, size, tag) for size, tag in zip(sizes, tags[what])]
+                arrivals.append((m, len(sizes)))
         posted = []
         for (ch, what), (sends, recvs, arrivals) in batches.items():
-            deps, chan, sent, got = book.posted((ch, what)), f"{sched.name}_{what}", [], []
+            deps, chan, sent, got = book.posted((ch, what)), chans[what], [], []
             if n > 1:
                 for k, (off, size, tag) in enumerate(sends):
+                    dk = deps[k]
                     ev = em("send", src=me, dst=ranks[(idx + off) % n], bytes=size, chan=chan, tag=tag,
-                            deps=sorted(set(deps[k])))
+                            deps=sorted(set(dk)) if len(dk) > 1 else list(dk))
                     sent.append(ev["id"])
                     yield ev
                 for off, size, tag in recvs:
@@ -111,17 +115,18 @@ def ring_pass(em: _Emit, sched, me: int, ranks: list[int], t_local: int, s: Shap
                     yield ev
             posted.append((sent, got, arrivals))
         for task in step.tasks:
-            for blk in task.blocks:
-                rows, cols = len(range(t_local)[blk.q]), len(range(t_local)[blk.kv])
-                ev = em("compute", **block_event(task, blk, (b, rows, heads[0], d), (b, cols, heads[1], d), bwd, book))
+            for blk in task.blocks:  # schedules use explicit row ranges (plans.row_range)
+                q_shape, k_shape = (b, blk.q.stop - blk.q.start, heads[0], d), (b, blk.kv.stop - blk.kv.start, heads[1], d)
+                ev = em("compute", **block_event(task, blk, q_shape, k_shape, bwd, book))
                 book.computed(ev["id"], task.q, task.kv, bwd)
                 yield ev
         for sent, got, arrivals in posted:
             if sent or got:
-                yield em("wait", ids=sorted(sent + got))
-            it = iter(got)
+                yield em("wait", ids=sent + got)
+            pos = 0
             for m, k in arrivals:
-                book.arrived(m.what, m.owner, [i for i, _ in zip(it, range(k))])
+                book.arrived(m.what, m.owner, got[pos:pos + k])
+                pos += k
     if bwd and sched.transport == "allgather" and n > 1:
         yield em("coll", kind="reduce_scatter", members=ranks, bytes=2 * b * t_local * heads[1] * d * s.acc,
                  chan="reduce_scatter_dkv", deps=[], **{"async": False})

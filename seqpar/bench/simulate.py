@@ -8,8 +8,9 @@ replayed (:mod:`.replay`) on a profile (:mod:`.machine`: ``h100-nvlink-ib``, ``h
 ``a100-nvlink-ib``, ``pcie``, or a ``seqpar calibrate`` / machine file).
 
 Rows: ``step_time_s`` (the last rank's end), ``ideal_s`` = the same method on one rank / N (as
-``seqpar bench``), ``efficiency`` = ideal / step, ``efficiency_local`` = N x one rank's time on its
-own ``T/N`` tokens / step (ring-flash-attention's "theoretic flash_attn" definition),
+``seqpar bench``), ``efficiency`` = ideal / step, ``efficiency_local`` = N x one rank's kernel time on
+its own ``T/N`` tokens / step (ring-flash-attention's "theoretic flash_attn" definition: flash_attn
+alone, without seqpar's accumulators),
 ``exposed_comm_s`` (the last rank's time blocked on communication), ``compute_s``, ``bytes_sent``
 (the busiest rank), ``source`` (``schedule`` | ``recorded``), ``error`` (why a method cannot run at
 this N; numbers NaN).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import gc
 import math
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from seqpar.methods import LINEAR_METHODS, METHODS
@@ -107,7 +109,7 @@ def simulate(methods, world_sizes, s: Shape, m: Machine, *, forward_only: bool =
                 continue
             recorded = load_trace_dir(traces_dir, meth, n, s.seq_len) if traces_dir else None
             res = step(meth, n, s, m, forward_only=forward_only, traces=recorded)
-            local = step(meth, 1, Shape(**{**s.__dict__, "seq_len": s.seq_len // n}), m,
+            local = step(meth, 1, Shape(**{**s.__dict__, "seq_len": s.seq_len // n}), _kernel_only(m),
                          forward_only=forward_only).step_s
             last = max(res.ranks, key=lambda r: r.end_s)
             rows.append({**row, "step_time_s": res.step_s, "ideal_s": one / n, "efficiency": one / n / res.step_s,
@@ -117,6 +119,12 @@ def simulate(methods, world_sizes, s: Shape, m: Machine, *, forward_only: bool =
             if on_result is not None:
                 on_result(meth, n, res)
     return rows
+
+
+def _kernel_only(m: Machine) -> Machine:
+    """``m`` with the attention kernel alone on one rank (no accumulator epilogue): the baseline of
+    ``efficiency_local``, flash_attn on each GPU's own tokens."""
+    return m if m.kernels is None else replace(m, kernels=replace(m.kernels, merge="none"))
 
 
 def _busiest(method, n, s, forward_only, recorded) -> float:
