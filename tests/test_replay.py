@@ -153,14 +153,18 @@ def test_host_time_between_events_counts_inside_calls_only():
     assert replay(traces, replace(CPU, host=True)).ranks[0].host_s == pytest.approx(2.5e-3)
 
 
-def test_gpu_compute_slows_while_its_rank_transfers():
-    m = replace(CPU, overlap_slowdown=0.25)
+def _sender_computes(ms: float) -> list[dict]:
+    """Rank 0 posts 1 MB to rank 1, computes ``ms``, waits; rank 1 only receives."""
     a, b = _ranks(2)
     s = a.send(1, 10**6)
-    a.compute(4.0)
+    a.compute(ms)
     a.wait(s)
     b.wait(b.recv(0, 10**6))
-    res = replay([a.dict(), b.dict()], m)
+    return [a.dict(), b.dict()]
+
+
+def test_gpu_compute_slows_while_its_rank_transfers():
+    res = replay(_sender_computes(4.0), replace(CPU, overlap_slowdown=0.25))
     # the kernel's first 1 ms overlaps the 1 ms transfer at 1/1.25 speed: 0.8 ms of work done, 3.2 ms left
     assert res.ranks[0].end_s == pytest.approx(1e-3 + 3.2e-3)
 
@@ -224,12 +228,7 @@ def test_profiles_and_the_kernel_model(tmp_path):
 
 
 def test_exports(tmp_path):
-    a, b = _ranks(2)
-    s = a.send(1, 10**6)
-    a.compute(0.5)
-    a.wait(s)
-    b.wait(b.recv(0, 10**6))
-    res = replay([a.dict(), b.dict()], CPU)
+    res = replay(_sender_computes(0.5), CPU)
     data = chrome_trace(res)
     kinds = {(e["pid"], e.get("cat")) for e in data["traceEvents"] if e["ph"] == "X"}
     assert {(0, "compute"), (1, "wait"), (0, "message")} <= kinds

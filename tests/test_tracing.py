@@ -167,3 +167,29 @@ def test_bad_recorders_and_files_raise(tmp_path):
     with pytest.raises(ValueError, match="t.json.*not valid JSON"):
         Trace.load(path)
     assert FORMAT == "seqpar-trace"
+
+
+def _hf_traced(method: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from seqpar.integrations.hf import apply_context_parallel, context_parallel_loss, shard_inputs
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = apply_context_parallel(LlamaForCausalLM(config), method=method)
+    batch = shard_inputs(torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(0)), method=method)
+    rec = Trace(meta={"method": method})
+    with seqpar.trace(rec):  # attention runs deep inside the model: no trace= argument to pass
+        loss = context_parallel_loss(model(**batch.model_kwargs()).logits, batch.labels)
+    loss.backward()  # outside the block: each call's backward records into the trace its forward had
+    return rec.to_dict()
+
+
+def test_a_transformers_model_is_traced_without_plumbing():
+    pytest.importorskip("transformers")
+    traces = [Trace.from_dict(d) for d in run_distributed(_hf_traced, 2, "zigzag_ring", timeout=180)]
+    check_traces(traces, expect={"method": "zigzag_ring"})
+    for tr in traces:  # two decoder layers: two attention calls, forward and backward
+        names = [e["name"] for e in tr.events if e["type"] == "begin"]
+        assert names == ["attention fwd"] * 2 + ["attention bwd"] * 2

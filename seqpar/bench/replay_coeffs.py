@@ -10,8 +10,9 @@ For every ring-family method and group size d = 2, 4, ..., 1024 (causal, the pla
 
 - ``imbalance``: the replayed step of d ranks over the replayed step of one rank / d, on a machine
   with free communication and every FLOP equally fast: the schedule's compute imbalance with its
-  dependencies (the slowest rank's attention work over the average for the ring family; more
-  where a schedule makes ranks wait for each other's compute);
+  dependencies. For every ring-family schedule it equals the slowest rank's traced FLOPs over the
+  average (checked on every size up to 64 while generating); from 128 ranks on that ratio is used
+  directly, as replaying a million events per method and size adds nothing;
 - ``rows`` (methods whose communication is schedule-dependent: ``comm="schedule"``): the bytes each
   rank sends in one causal forward+backward, as coefficients per local token of five per-row
   sizes: ``Hq·D·e`` (queries, outputs, dout), ``Hq·4`` (lse, delta), ``Hkv·D·e`` (K,V), ``Hq·D·g``
@@ -52,7 +53,7 @@ class _Flat:
         return ev["flops"] * 1e-12
 
 
-def imbalance(method: str, d: int, t_local: int = 64) -> float:
+def replayed_imbalance(method: str, d: int, t_local: int = 64) -> float:
     """Replayed step of d ranks over (the replayed step of one rank / d), causal."""
     from dataclasses import replace
 
@@ -61,6 +62,29 @@ def imbalance(method: str, d: int, t_local: int = 64) -> float:
     step = replay([rank_events(method, d, r, s1) for r in range(d)], m, detail=False).step_s
     one = replay([rank_events(method, 1, 0, s1)], m, detail=False).step_s
     return step * d / one
+
+
+def flop_imbalance(method: str, d: int, t_local: int = 64) -> float:
+    """The slowest rank's traced FLOPs over the average: what the replay above gives when ranks only
+    wait for each other's compute through the ring (checked equal for d <= REPLAYED, where the
+    replay is cheap; a million-event replay per method and size is not worth it beyond)."""
+    s1 = Shape(t_local * d, 1, 1, 1, 1)
+    flops = [sum(ev["flops"] for ev in rank_events(method, d, r, s1) if ev["type"] == "compute") for r in range(d)]
+    return max(flops) * d / sum(flops)
+
+
+REPLAYED = 64  # sizes up to this are replayed; beyond, the traces' FLOP ratio (equal where both exist)
+
+
+def imbalance(method: str, d: int) -> float:
+    """The compute imbalance of ``method`` on d ranks (module docstring)."""
+    if d > REPLAYED:
+        return flop_imbalance(method, d)
+    value = replayed_imbalance(method, d)
+    if abs(value - flop_imbalance(method, d)) > 1e-6 * value:
+        raise RuntimeError(f"{method} d={d}: the replayed imbalance {value} differs from the FLOP ratio: "
+                           f"this schedule makes ranks wait beyond their compute; replay every size")
+    return value
 
 
 # (Hq, Hkv, D, e, acc, g) settings whose per-row sizes span all five (rank 5)

@@ -19,10 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from seqpar.comm import TokenRingGroups
 from seqpar.comm.pool import LocalRanks
 from seqpar.tracing import Trace, trace
-
-from seqpar.comm import TokenRingGroups
 
 from .core import _TWO_WAY, BenchCase, _call, _inputs
 from .machine import Machine
@@ -34,7 +33,7 @@ PINGPONG_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 def _pingpong_on_rank(sizes, repeats: int) -> list[float]:
     """Median seconds of one exchange of each size between ranks 0 and 1 (both directions at once)."""
     torch.set_num_threads(1)
-    me, peer = dist.get_rank(), 1 - dist.get_rank()
+    peer = 1 - dist.get_rank()
     out = []
     for size in sizes:
         send, recv = torch.zeros(size // 4), torch.empty(size // 4)
@@ -117,15 +116,19 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
 
 
 def tracing_overhead(ranks: LocalRanks, case: BenchCase, repeats: int = 5) -> dict:
-    """Wall-clock step with and without tracing, interleaved repeat by repeat (median of each)."""
+    """Steps with and without tracing, interleaved repeat by repeat (medians): wall clock (the
+    slowest rank) and this thread's CPU time (the busiest rank; insensitive to other jobs)."""
     per_rank = ranks.run(_overhead_on_rank, case.world_size, case, repeats, timeout=3600)
-    on = [max(r[i][0] for r in per_rank) for i in range(repeats)]
-    off = [max(r[i][1] for r in per_rank) for i in range(repeats)]
-    return {"traced_s": statistics.median(on), "untraced_s": statistics.median(off),
-            "overhead": statistics.median(on) / statistics.median(off) - 1}
+    out = {}
+    for k, name in enumerate(("wall", "cpu")):
+        on = statistics.median(max(r[i][2 * k] for r in per_rank) for i in range(repeats))
+        off = statistics.median(max(r[i][2 * k + 1] for r in per_rank) for i in range(repeats))
+        out.update({f"traced_{name}_s": on, f"untraced_{name}_s": off, f"overhead_{name}": on / off - 1})
+    out["overhead"] = out["overhead_wall"]
+    return out
 
 
-def _overhead_on_rank(case: BenchCase, repeats: int) -> list[tuple[float, float]]:
+def _overhead_on_rank(case: BenchCase, repeats: int) -> list[tuple[float, float, float, float]]:
     from seqpar.layouts import shard
 
     torch.set_num_threads(case.threads)
@@ -134,10 +137,13 @@ def _overhead_on_rank(case: BenchCase, repeats: int) -> list[tuple[float, float]
     _call(case, local, group)
     out = []
     for _ in range(repeats):
+        c0 = time.thread_time()
         with trace(Trace()):
             _, f1, b1 = _call(case, local, group)
+        c1 = time.thread_time()
         _, f0, b0 = _call(case, local, group)
-        out.append(((f1 + b1) * 1e-3, (f0 + b0) * 1e-3))
+        c2 = time.thread_time()
+        out.append(((f1 + b1) * 1e-3, (f0 + b0) * 1e-3, c1 - c0, c2 - c1))
     return out
 
 

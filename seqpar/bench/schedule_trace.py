@@ -116,7 +116,8 @@ def ring_pass(em: _Emit, sched, me: int, ranks: list[int], t_local: int, s: Shap
             posted.append((sent, got, arrivals))
         for task in step.tasks:
             for blk in task.blocks:  # schedules use explicit row ranges (plans.row_range)
-                q_shape, k_shape = (b, blk.q.stop - blk.q.start, heads[0], d), (b, blk.kv.stop - blk.kv.start, heads[1], d)
+                q_shape = (b, blk.q.stop - blk.q.start, heads[0], d)
+                k_shape = (b, blk.kv.stop - blk.kv.start, heads[1], d)
                 ev = em("compute", **block_event(task, blk, q_shape, k_shape, bwd, book))
                 book.computed(ev["id"], task.q, task.kv, bwd)
                 yield ev

@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from seqpar.methods import LINEAR_METHODS, METHODS
 from seqpar.methods import method as declared
 
 from .machine import Machine
@@ -114,7 +113,7 @@ def simulate(methods, world_sizes, s: Shape, m: Machine, *, forward_only: bool =
             last = max(res.ranks, key=lambda r: r.end_s)
             rows.append({**row, "step_time_s": res.step_s, "ideal_s": one / n, "efficiency": one / n / res.step_s,
                          "efficiency_local": n * local / res.step_s, "exposed_comm_s": last.exposed_comm_s,
-                         "compute_s": last.compute_s, "bytes_sent": _busiest(meth, n, s, forward_only, recorded),
+                         "compute_s": last.compute_s, "bytes_sent": _busiest(meth, n, s, m, forward_only, recorded),
                          "error": ""})
             if on_result is not None:
                 on_result(meth, n, res)
@@ -127,13 +126,12 @@ def _kernel_only(m: Machine) -> Machine:
     return m if m.kernels is None else replace(m, kernels=replace(m.kernels, merge="none"))
 
 
-def _busiest(method, n, s, forward_only, recorded) -> float:
+def _busiest(method, n, s, m: Machine, forward_only, recorded) -> float:
     """Bytes the busiest rank sends in one step (messages, and its chunk of every collective)."""
     if n > 64 and recorded is None:
         return math.nan  # not worth a second pass over a million events
-    traces = recorded or schedule_traces(method, n, s, forward_only=forward_only,
-                                         ulysses_degree=None if declared(method).family != "usp" else
-                                         ulysses_degree(n, s.heads, 8))
+    u = ulysses_degree(n, s.heads, m.ranks_per_node) if declared(method).family == "usp" else None
+    traces = recorded or schedule_traces(method, n, s, forward_only=forward_only, ulysses_degree=u)
     return float(max(sum(e["bytes"] for e in t.events if e["type"] in ("send", "coll")) for t in traces))
 
 
@@ -155,8 +153,9 @@ def load_trace_dir(path: str, method: str, n: int, seq_len: int) -> list:
     for r, t in enumerate(out):
         for key, want in (("method", method), ("world_size", n), ("seq_len", seq_len)):
             if t.meta.get(key) != want:
-                raise ValueError(f"--traces {path!r}: rank {r}'s trace has {key}={t.meta.get(key)!r}, expected {want!r}")
+                raise ValueError(f"--traces {path!r}: rank {r}'s trace has {key}={t.meta.get(key)!r}, "
+                                 f"expected {want!r}")
     return out
 
 
-__all__ = ["DEFAULT_WORLD_SIZES", "LINEAR_METHODS", "METHODS", "check_tiling", "simulate", "step", "ulysses_degree"]
+__all__ = ["DEFAULT_WORLD_SIZES", "check_tiling", "load_trace_dir", "simulate", "step", "ulysses_degree"]

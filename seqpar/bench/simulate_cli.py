@@ -64,7 +64,8 @@ def _shape(args, methods) -> tuple[Shape, list[int]]:
     sizes = parse_lengths(args.world_sizes, "--world-sizes") if args.world_sizes else list(DEFAULT_WORLD_SIZES)
     linear = all(m in LINEAR_METHODS for m in methods)
     kv = args.kv_heads or (args.heads if linear else 8)
-    for name, v in (("--batch", args.batch), ("--heads", args.heads), ("--kv-heads", kv), ("--head-dim", args.head_dim)):
+    for name, v in (("--batch", args.batch), ("--heads", args.heads), ("--kv-heads", kv),
+                    ("--head-dim", args.head_dim)):
         if v < 1:
             raise ValueError(f"{name}: expected a positive integer, got {v}")
     if args.heads % kv:

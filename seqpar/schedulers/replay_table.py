@@ -14,6 +14,8 @@ import functools
 import json
 from pathlib import Path
 
+from ..methods import method as declared
+
 TABLE = Path(__file__).with_name("replay_coeffs.json")
 
 
@@ -33,7 +35,13 @@ def _entry(method: str, d: int, field: str):
     """The table's ``field`` for ``method`` at group size ``d`` (None when the method has no entry)."""
     data = _table()
     m = data["methods"].get(method)
-    if m is None or d <= 1:
+    if m is None:
+        spec = declared(method)
+        if spec.family == "ring" and spec.transport == "p2p":
+            raise ValueError(f"method={method!r}: the replayed cost coefficients have no entry for it; regenerate "
+                             f"them with 'python -m seqpar.bench.replay_coeffs'")
+        return None
+    if d <= 1:
         return None
     if str(d) not in m[field]:
         raise ValueError(f"group_size={d}: the replayed coefficients of {method} cover group sizes "
