@@ -112,3 +112,21 @@ def test_recorded_traces_replay_on_a_profile(tmp_path):
     assert row["source"] == "recorded" and row["step_time_s"] > 0 and not row["error"]
     built = simulate(["zigzag_ring"], [2], s, H100)[0]
     assert row["step_time_s"] == pytest.approx(built["step_time_s"])  # same events, same GPU model
+
+
+def test_validation_against_runs_on_this_machine_works_end_to_end():
+    """The machinery of benchmarks/validate_replay.py at a tiny size (its numbers need an idle machine)."""
+    from seqpar.bench.replay_validate import calibrate_link, cpu_machine, tracing_overhead, validate
+    from seqpar.bench.core import BenchCase
+    from seqpar.comm.pool import LocalRanks
+
+    shape = {"seq_len": 64, "heads": 2, "kv_heads": 2, "head_dim": 8}
+    with LocalRanks() as ranks:
+        bw, lat = calibrate_link(ranks, sizes=(1 << 10, 1 << 14, 1 << 18), repeats=2)
+        assert bw > 0 and lat >= 0
+        rows = validate(["zigzag_ring", "zeco"], 2, shape, m=cpu_machine(bw, lat), ranks=ranks, repeats=1,
+                        warmup=0, ideal=True)
+        over = tracing_overhead(ranks, BenchCase("zigzag_ring", world_size=2, **shape), repeats=1)
+    for r in rows:
+        assert r["measured_s"] > 0 and r["replayed_s"] > 0 and r["efficiency"] > 0
+    assert {"overhead_wall", "overhead_cpu"} <= set(over)

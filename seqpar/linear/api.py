@@ -170,6 +170,7 @@ def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state,
 def _launch(q, k, v, g, initial_state, info, plan, cu, scale, kernel, output_final_state, stats, backend, trace):
     bsz, t_local = q.shape[:2]
     if info.single and backend is None and fla_refusal(q) is None:
+        end(trace, "linear fwd")  # one device, flash-linear-attention's kernels: nothing of ours to trace
         return _fla_single(q, k, v, g, scale, initial_state, output_final_state, cu)
     shard = build_shard(info.rank, info.size, bsz, t_local, cu)
     cfg = LinearConfig(info, plan, shard, kernel.layout(shard.seq_lens, q.device), kernel, scale,
