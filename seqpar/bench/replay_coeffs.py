@@ -16,8 +16,9 @@ For every ring-family method and group size d = 2, 4, ..., 1024 (causal, the pla
 - ``rows`` (methods whose communication is schedule-dependent: ``comm="schedule"``): the bytes each
   rank sends in one causal forward+backward, as coefficients per local token of five per-row
   sizes: ``Hq·D·e`` (queries, outputs, dout), ``Hq·4`` (lse, delta), ``Hkv·D·e`` (K,V), ``Hq·D·g``
-  and ``Hkv·D·g`` (dq, dK,dV in the gradient dtype g); solved from the traces of six shapes, and
-  only the ranks no other rank dominates kept (the busiest rank depends on the sizes).
+  and ``Hkv·D·g`` (dq, dK,dV in the gradient dtype g): each traced send's rows (its bytes over one
+  row of its payload) in the payload's wire format; only the ranks no other rank dominates are kept
+  (the busiest rank depends on the sizes).
 
 So the planner, the simulator and the executor share one source of truth: the schedules.
 """
@@ -29,9 +30,9 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from seqpar.methods import DECLARED
+
+from seqpar.softmax.plans import WIRES
 
 from .machine import Machine
 from .replay import replay
@@ -87,26 +88,41 @@ def imbalance(method: str, d: int) -> float:
     return value
 
 
-# (Hq, Hkv, D, e, acc, g) settings whose per-row sizes span all five (rank 5)
-_BASIS_SHAPES = ((1, 1, 1, 1, 4, 1), (2, 1, 1, 1, 4, 1), (2, 1, 2, 1, 4, 1), (2, 2, 2, 1, 4, 1),
-                 (2, 2, 2, 1, 4, 2), (2, 1, 2, 2, 4, 1))
-
-
 def row_sizes(hq: int, hkv: int, d: int, e: int, acc: int, g: int) -> list[float]:
     """The five per-row sizes (module docstring) of a shape and dtypes."""
     return [hq * d * e, hq * acc, hkv * d * e, hq * d * g, hkv * d * g]
 
 
+def _basis(what: str, bwd: bool) -> list[float]:
+    """A row of payload ``what`` in the five per-row sizes, from the wire format (plans.WIRES)."""
+    out = [0.0] * 5
+    for w in WIRES[(what, bwd)]:
+        if w.stat:
+            k = 1
+        elif w.heads == "q":
+            k = 3 if w.dtype == "grad" else 0
+        else:
+            k = 4 if w.dtype == "grad" else 2
+        out[k] += len(w.parts)
+    return out
+
+
 def sent_rows(method: str, n: int, t_local: int = 64) -> list[list[float]]:
-    """Per rank, the coefficients of the five per-row sizes in its bytes sent per local token."""
-    per_shape = []
-    for hq, hkv, d, e, acc, g in _BASIS_SHAPES:
-        s = Shape(t_local * n, 1, hq, hkv, d, True, e, acc, g)
-        per_shape.append([sum(ev["bytes"] for ev in rank_events(method, n, r, s) if ev["type"] == "send") / t_local
-                          for r in range(n)])
-    a = np.array([row_sizes(*x) for x in _BASIS_SHAPES], dtype=float)
-    return [np.linalg.lstsq(a, np.array([col[r] for col in per_shape]), rcond=None)[0].round(9).tolist()
-            for r in range(n)]
+    """Per rank, the coefficients of the five per-row sizes in its bytes sent per local token: each
+    traced send's rows (its bytes over a row of its payload, named by its stream) times that
+    payload's row in the five sizes. One pass over the traces, at a shape where every size is 1."""
+    s = Shape(t_local * n, 1, 1, 1, 1, True, 1, 1, 1)
+    out = []
+    for r in range(n):
+        coef = [0.0] * 5
+        for ev in rank_events(method, n, r, s):
+            if ev["type"] != "send":
+                continue
+            basis = _basis(ev["chan"].rsplit("_", 1)[1], ev["phase"] == "bwd")
+            rows = ev["bytes"] / sum(basis)  # every per-row size is 1 at this shape
+            coef = [c + rows * x for c, x in zip(coef, basis)]
+        out.append([round(c / t_local, 9) for c in coef])
+    return out
 
 
 def pareto(rows: list[list[float]]) -> list[list[float]]:
@@ -141,7 +157,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     data = table([d for d in SIZES if d <= args.max_n])
     data["command"] = "python -m seqpar.bench.replay_coeffs" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-    Path(args.out).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    Path(args.out).write_text(json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n")
     print(f"wrote {args.out}")
     return 0
 

@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="h100-nvlink-ib", help=f"{', '.join(PROFILES)}, or a 'seqpar calibrate' / "
                    "machine JSON file (default h100-nvlink-ib)")
     p.add_argument("--kernels", choices=sorted(KERNELS), help="override the profile's GPU kernel model")
-    p.add_argument("--world-sizes", default=None, help="comma-separated N (default 8,16,...,1024)")
+    p.add_argument("--world-sizes", default=None, help="comma-separated N (default 8,16,...,256; 512 and 1024 "
+                   "take minutes each: a million events)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--seq-len", default=None, help="global tokens, e.g. 128k (default 128k)")
     group.add_argument("--tokens-per-rank", default=None, help="instead of --seq-len: T/N tokens on every rank")
@@ -157,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         s, sizes = _shape(args, methods)
         m = machine(args.profile, kernels=args.kernels)
         rows = simulate(methods, sizes, s, m, forward_only=args.forward_only, traces_dir=args.traces,
-                        on_result=_exporter(args.trace, s, m, args.forward_only) if args.trace else None)
+                        on_result=_exporter(args.trace, s, m, args.forward_only) if args.trace else None,
+                        progress=lambda meth, n, sec: print(f"  replayed {meth} on {n} ranks in {sec:.1f} s",
+                                                            file=sys.stderr, flush=True))
     except ValueError as exc:
         print(f"seqpar simulate: error: {exc}", file=sys.stderr)
         return 2
