@@ -95,15 +95,21 @@ def run_case(ranks: LocalRanks, case: BenchCase, repeats: int = 3, warmup: int =
 
 def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalRanks, repeats: int = 3,
              warmup: int = 1, ideal: bool = False) -> list[dict]:
-    """One row per method: measured and replayed step (medians over repeats), their error, and with
-    ``ideal`` the replayed efficiency (the replayed one-rank step / N / the replayed step)."""
+    """One row per method: measured and replayed step (medians over repeats), their error,
+    ``efficiency_own`` (the ranks' mean traced busy time over the replayed step: the schedule's
+    imbalance, exposed communication and waiting, measured against the same run's own work), and
+    with ``ideal`` the replayed efficiency against a replayed one-rank run (its step / N / the step)."""
     rows = []
     for meth in methods:
         case = BenchCase(meth, world_size=world_size, **shape)
         measured, traces = run_case(ranks, case, repeats, warmup)
-        replayed = [replay(tr, m, expect={"method": meth, "world_size": world_size}).step_s for tr in traces]
+        results = [replay(tr, m, expect={"method": meth, "world_size": world_size}) for tr in traces]
+        replayed = [r.step_s for r in results]
+        # the same run's traced work, perfectly divided: mean busy (compute + host) time over the step
+        own = [statistics.mean(x.compute_s + x.host_s for x in r.ranks) / r.step_s for r in results]
         row = {"method": meth, "world_size": world_size, **shape, "measured_s": statistics.median(measured),
-               "replayed_s": statistics.median(replayed), "measured_all": measured, "replayed_all": replayed}
+               "replayed_s": statistics.median(replayed), "measured_all": measured, "replayed_all": replayed,
+               "efficiency_own": statistics.median(own)}
         row["error"] = row["replayed_s"] / row["measured_s"] - 1
         if ideal:
             one_case = BenchCase(meth, world_size=1, **shape)
