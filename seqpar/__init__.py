@@ -2,7 +2,8 @@
 
 Public API:
     METHODS, attention, shard, unshard, SequenceParallelAttention, CommStats,
-    LINEAR_METHODS, linear_attention, checkpoint, TokenRingGroups, packed_layout, PeerError
+    LINEAR_METHODS, linear_attention, checkpoint, TokenRingGroups, packed_layout, PeerError,
+    Trace, trace (per-rank traces of a run: seqpar.tracing; replayed by seqpar.bench.replay)
 
 The map of the package (what each folder owns and may import) is docs/architecture.md.
 """
@@ -14,6 +15,8 @@ from .linear import linear_attention
 from .methods import LINEAR_METHODS, METHODS
 from .softmax import SequenceParallelAttention, attention
 from .softmax.checkpoint import checkpoint
+from .tracing import Trace, trace
 
 __all__ = ["LINEAR_METHODS", "METHODS", "CommStats", "SequenceParallelAttention", "attention", "linear_attention",
-           "shard", "unshard", "__version__", "checkpoint", "TokenRingGroups", "packed_layout", "PeerError"]
+           "shard", "unshard", "__version__", "checkpoint", "TokenRingGroups", "packed_layout", "PeerError",
+           "Trace", "trace"]

@@ -25,7 +25,7 @@ def calibrate_main(argv: list[str]) -> int:
 
 
 def simulate_main(argv: list[str]) -> int:
-    from seqpar.bench.simulate import simulate_main as run
+    from seqpar.bench.simulate_cli import main as run
 
     return run(argv)
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
               "  plan       plan SP groups for a batch of sequence lengths (adaptive scheduler)\n"
               "  train      train a transformers Llama with --context-parallel N on packed text\n"
               "  calibrate  measure the cost model on this machine (CPU ranks or torchrun GPUs) to JSON\n"
-              "  simulate   project step time and efficiency of every method to 8..1024 GPUs\n"
+              "  simulate   replay every method's traced schedule on a machine model (8..1024 GPUs)\n"
               "run 'seqpar COMMAND --help' for the options of a command")
         return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
     return COMMANDS[argv[0]](argv[1:]) or 0

@@ -96,7 +96,7 @@ def test_group_scale_multiplies_the_two_parts_not_memory_and_round_trips(tmp_pat
 def test_kernel_scale_from_emulated_efficiency(tmp_path):
     """An emulated efficiency e at size d (its schedule's imbalance i) gives the factor 1 / (e·i) on
     the attention term only; it survives the JSON file and is dropped for other hardware."""
-    from seqpar.schedulers.schedule_terms import causal_imbalance
+    from seqpar.schedulers.replay_table import causal_imbalance
 
     meas = _synthetic_measurements()
     meas["kernels"] = {"zigzag_ring": {2: 0.8, 4: 0.5}, "ring": {4: 0.5}}

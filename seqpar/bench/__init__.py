@@ -4,6 +4,12 @@ Modules: :mod:`.core` (cases, FLOP formulas, the per-rank runner), :mod:`.suite`
 files -> validated matrix of cases), :mod:`.report` (rich table, CSV/JSON with machine, versions
 and command), :mod:`.plots` (PNGs), :mod:`.emulate` (``--emulate N``: every rank's per-step kernels
 back to back on one device), :mod:`.memory` (peak memory per rank), :mod:`.cli` (the command).
+
+The replay of per-rank traces (docs/tracing.md): :mod:`.schedule_trace` (traces built from the
+schedules), :mod:`.trace_check` (consistency), :mod:`.replay` (the discrete-event replay),
+:mod:`.machine` (links and kernel models, with sources), :mod:`.trace_export` (Perfetto JSON, PNG),
+:mod:`.simulate` / :mod:`.simulate_cli` (``seqpar simulate``), :mod:`.replay_validate` (against runs
+on this machine), :mod:`.replay_coeffs` (the cost model's coefficients).
 """
 
 from .core import (

@@ -332,7 +332,7 @@ def build_models(meas: dict, methods: Sequence[str]) -> tuple[ClusterSpec, CostM
     cost = CostModel(methods=tuple(costs), hidden=h * d, kv_hidden=hk * d, layers=layers, n_heads=h,
                      bytes_per_element=int(mem["element_size"]), grad_bytes_per_element=4)  # fp32 dK,dV, dq
     if meas.get("kernels"):  # emulated efficiency = 1 / (kernel factor x the schedule's imbalance)
-        from seqpar.schedulers.schedule_terms import causal_imbalance
+        from seqpar.schedulers.replay_table import causal_imbalance
 
         cost = cost.with_kernel_scales({m: {int(n): 1.0 / (eff * causal_imbalance(m, int(n))) for n, eff in by.items()}
                                         for m, by in meas["kernels"].items() if m in methods})

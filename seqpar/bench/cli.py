@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write rows + machine, versions and command as JSON")
     p.add_argument("--csv", metavar="PATH", help="write tidy CSV rows (machine, versions, command on each)")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots (matplotlib) into DIR")
+    p.add_argument("--trace", metavar="DIR", help="also record one step of every case on every rank and write "
+                   "the per-rank traces (seqpar.tracing) into DIR, for 'seqpar simulate --traces DIR'")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -107,13 +109,15 @@ def main(argv: list[str]) -> int:
     if config.get("emulate") is not None:
         if args.packed:
             parser.error("--packed: --emulate runs dense problems only")
+        if args.trace:
+            parser.error("--trace: records real runs on N ranks; --emulate runs none")
         from .emulate import emulate_cases
 
         rows = emulate_cases(cases, progress=progress, device=args.device)
     else:
         from .core import run_cases
 
-        rows = run_cases(cases, progress=progress)
+        rows = run_cases(cases, progress=progress, trace_dir=args.trace)
     if os.environ.get("RANK", "0") != "0":
         return 1 if any(r["error"] for r in rows) else 0
     from .report import print_table, write_csv, write_json

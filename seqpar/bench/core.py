@@ -19,6 +19,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,8 @@ from seqpar.comm.usp_groups import default_ulysses_degree
 from seqpar.methods import LINEAR_METHODS, head_imbalance
 from seqpar.methods import method as declared
 from seqpar.softmax import attention
+from seqpar.tracing import Trace, attention_flops, trace
+from seqpar.tracing import linear_flops as _linear_flops
 
 from .memory import PeakMemory
 
@@ -81,30 +84,10 @@ class BenchCase:
         return head_imbalance(self.heads, degree) if self.heads >= degree else float("nan")
 
 
-def attention_flops(batch: int, seq_len: int, heads: int, head_dim: int, causal: bool) -> tuple[float, float]:
-    """FLOPs of softmax attention over a whole ``[B, T, Hq, D]`` problem, ``(forward, backward)``.
-
-    Forward: two matmuls (``Q K^T`` and ``P V``) of ``T x T x D`` per head at 2 FLOPs per
-    multiply-add, ``4 * B * T^2 * Hq * D``, halved when causal (only the lower triangle is needed).
-    Backward: 2.5 x forward (five matmuls: recomputed ``Q K^T``, ``dV``, ``dP``, ``dQ``, ``dK``).
-    GQA does not change the count (K,V heads are shared, the products are per query head).
-    """
-    fwd = 4.0 * batch * seq_len * seq_len * heads * head_dim * (0.5 if causal else 1.0)
-    return fwd, 2.5 * fwd
-
-
 def linear_flops(batch: int, seq_len: int, heads: int, key_dim: int, value_dim: int,
                  chunk: int = LINEAR_CHUNK) -> tuple[float, float]:
-    """FLOPs of chunked (gated) linear attention, ``(forward, backward)``.
-
-    Per token and head, with chunk length ``C`` (the whole ``C x C`` score block is computed):
-    intra-chunk scores ``q k^T`` over ``C`` keys (``2·C·K``) and ``A V`` (``2·C·V``), inter-chunk
-    ``q S`` (``2·K·V``) and the state update ``k^T v`` (``2·K·V``), so forward
-    ``= B·T·H·(2·C·(K + V) + 4·K·V)``. Backward: 2 x forward (each product has two gradient
-    products). Decay terms (element-wise) are not counted.
-    """
-    fwd = float(batch) * seq_len * heads * (2.0 * chunk * (key_dim + value_dim) + 4.0 * key_dim * value_dim)
-    return fwd, 2.0 * fwd
+    """:func:`seqpar.tracing.linear_flops` with the chunk of seqpar's linear kernels."""
+    return _linear_flops(batch, seq_len, heads, key_dim, value_dim, chunk)
 
 
 def case_flops(case: BenchCase) -> tuple[float, float]:
@@ -247,9 +230,25 @@ def _timed(case, tensors, group, *, stats=None, comm=None, cu=None):
     return out, fwd, bwd, step, mem.peak
 
 
-def run_case_on_rank(case: BenchCase) -> dict:
+def trace_file(case: BenchCase, rank: int) -> str:
+    """The name of a rank's trace file of ``case`` (``seqpar bench --trace DIR``)."""
+    return f"{case.method}_n{case.world_size}_t{case.seq_len}_rank{rank}.json"
+
+
+def _trace_call(case: BenchCase, tensors, group, comm, cu, trace_dir: str) -> None:
+    """One more (untimed) forward+backward, recorded in a :class:`seqpar.Trace` saved to ``trace_dir``."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rec = Trace(rank=rank, world_size=case.world_size, meta={**asdict(case), "family": case.family})
+    with trace(rec):
+        _call(case, tensors, group, comm=comm, cu_seqlens=cu)
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    rec.save(Path(trace_dir) / trace_file(case, rank))
+
+
+def run_case_on_rank(case: BenchCase, trace_dir: str | None = None) -> dict:
     """Run one case on this rank (all ranks of the default group call it). Returns the row as a dict
-    (complete on rank 0; a failure is caught and reported in ``error``)."""
+    (complete on rank 0; a failure is caught and reported in ``error``). ``trace_dir``: also save
+    every rank's trace of one more step there (:func:`trace_file`)."""
     torch.set_num_threads(case.threads)
     n = dist.get_world_size() if dist.is_initialized() else 1
     group = dist.group.WORLD if dist.is_initialized() else None
@@ -273,6 +272,8 @@ def run_case_on_rank(case: BenchCase) -> dict:
         # methods whose two traffic directions get their own communicators (created once, collectively)
         comm = TokenRingGroups(group) if group is not None and case.method in _TWO_WAY else None
         out, fwd, bwd, step, peak = _timed(case, local, group, stats=stats, comm=comm, cu=pl)
+        if trace_dir:
+            _trace_call(case, local, group, comm, pl, trace_dir)
         if comm is not None:
             comm.destroy()
         # the slowest rank per repeat: max(fwd) + max(bwd) would count a rank that finished its
@@ -311,18 +312,19 @@ def run_case_on_rank(case: BenchCase) -> dict:
     return row.as_dict()
 
 
-def run_cases(cases: list[BenchCase], *, progress: bool = True) -> list[dict]:
+def run_cases(cases: list[BenchCase], *, progress: bool = True, trace_dir: str | None = None) -> list[dict]:
     """Run cases on local CPU ranks (spawned, gloo) or, under torchrun, on the launched ranks.
-    A case that fails (on any rank, or by timing out) gives a row with ``error`` set; the others run."""
+    A case that fails (on any rank, or by timing out) gives a row with ``error`` set; the others run.
+    ``trace_dir``: every rank of every case also saves a trace of one step there."""
     rows = []
     if launched():
         with launched_process_group():
-            return [run_case_on_rank(case) for case in
+            return [run_case_on_rank(case, trace_dir) for case in
                     _progress(cases, "benchmarking", progress and os.environ.get("RANK", "0") == "0")]
     with LocalRanks() as ranks:
         for case in _progress(cases, "benchmarking", progress):
             try:
-                rows.append(ranks.run(run_case_on_rank, case.world_size, case, timeout=3600)[0])
+                rows.append(ranks.run(run_case_on_rank, case.world_size, case, trace_dir, timeout=3600)[0])
             except Exception as exc:
                 rows.append(BenchRow(case, error=f"{type(exc).__name__}: {exc}").as_dict())
     return rows

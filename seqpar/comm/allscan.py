@@ -34,7 +34,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .collectives import _add_ring, _named_failure
+from ..tracing import Trace
+from .collectives import _add_ring, _named_failure, record
 from .groups import GroupInfo
 from .stats import CommStats, nbytes
 
@@ -56,7 +57,7 @@ class ChainScan:
 
     def __init__(self, info: GroupInfo, local: torch.Tensor, decay: torch.Tensor, first=None, *,
                  n_blocks: int = 1, reverse: bool = False, stats: CommStats | None = None,
-                 name: str = "allscan", first_work=None) -> None:
+                 name: str = "allscan", first_work=None, trace: Trace | None = None, first_id=None) -> None:
         self.info, self.local, self.decay = info, local, decay.expand(local.shape[:-1])
         self.first, self.first_work = first, first_work
         self.stats, self.name = stats, name
@@ -76,8 +77,23 @@ class ChainScan:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stream = None
+        self.trace, self.first_id, self._ids = trace, first_id, []
+
+    def _record(self) -> None:
+        """The chain in the trace: every receive posted now, each block's send once that block arrived
+        (the helper thread forwards it; the head's once ``first`` is there)."""
+        me, rows = self.info.global_ranks[self.info.rank], self.local[:, :, :1].numel()
+        size = self.local.element_size()
+        for i, (a, b) in enumerate(self.blocks):
+            got = None if self.head else self.trace.recv(self.prev, me, rows * (b - a) * size, chan=self.name, tag=i)
+            deps = [got] if got is not None else ([self.first_id] if self.first_id is not None else [])
+            sent = None if self.tail else self.trace.send(me, self.next, rows * (b - a) * size, chan=self.name,
+                                                          tag=i, deps=deps)
+            self._ids += [x for x in (got, sent) if x is not None]
 
     def start(self) -> ChainScan:
+        if self.trace is not None and not self.info.single:
+            self._record()
         if self.local.is_cuda:  # the helper's small kernels must not queue behind the compute stream
             self._stream = torch.cuda.Stream(device=self.local.device)
             self._stream.wait_stream(torch.cuda.current_stream(self.local.device))
@@ -123,6 +139,8 @@ class ChainScan:
             self._error = exc
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.trace is not None:
+            self.trace.wait(self._ids + ([self.first_id] if self.first_id is not None else []))
         if self._thread is not None:
             self._thread.join()
         if self._error is not None:
@@ -138,10 +156,14 @@ class ChainScan:
 class Gathered:
     """An all-gather in flight; :meth:`wait` returns ``[N, *x.shape]`` in group order."""
 
-    def __init__(self, out: torch.Tensor, work, info: GroupInfo | None = None, name: str = "all_gather") -> None:
+    def __init__(self, out: torch.Tensor, work, info: GroupInfo | None = None, name: str = "all_gather",
+                 trace: Trace | None = None, trace_id: int | None = None) -> None:
         self.out, self.work, self.info, self.name = out, work, info, name
+        self.trace, self.trace_id = trace, trace_id
 
     def wait(self) -> torch.Tensor:
+        if self.trace is not None and self.trace_id is not None:
+            self.trace.wait([self.trace_id])
         if self.work is not None:
             with _named_failure(self.info, self.name):
                 self.work.wait()
@@ -150,7 +172,7 @@ class Gathered:
 
 
 def allgather_start(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | None = None,
-                    name: str = "all_gather") -> Gathered:
+                    name: str = "all_gather", trace: Trace | None = None) -> Gathered:
     """Post an asynchronous all-gather of ``x``; this rank sends ``N - 1`` copies of it (counted as the
     ring algorithm of gloo and NCCL routes them: all to the next member, like
     :func:`~seqpar.comm.collectives.all_gather_stack`)."""
@@ -161,11 +183,12 @@ def allgather_start(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | None
         return Gathered(out, None)
     flat = out.view(info.size * x.shape[0], *x.shape[1:]) if x.dim() else out
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    trace_id = record(trace, info, "all_gather", nbytes(x), name, async_op=True)
     with _named_failure(info, name):
         work = gather(flat, x, group=info.group, async_op=True)
     if stats is not None:
         _add_ring(info, stats, name, nbytes(x))
-    return Gathered(out, work, info, name)
+    return Gathered(out, work, info, name, trace, trace_id)
 
 
 def fold_forward(locals_: torch.Tensor, decays: torch.Tensor, first: torch.Tensor | None, upto: int):
@@ -185,12 +208,13 @@ def fold_reverse(locals_: torch.Tensor, decays: torch.Tensor, last: torch.Tensor
 
 
 def broadcast_from(info: GroupInfo, x: torch.Tensor | None, src: int, like: torch.Tensor, *,
-                   stats: CommStats | None = None, name: str = "broadcast") -> torch.Tensor:
+                   stats: CommStats | None = None, name: str = "broadcast", trace: Trace | None = None) -> torch.Tensor:
     """Member ``src``'s ``x`` on every member (others pass ``x=None`` and a ``like`` template). The
     source counts ``N - 1`` copies (what a flat broadcast sends)."""
     if info.single:
         return x
     buf = x.contiguous() if info.rank == src else torch.empty_like(like)
+    record(trace, info, "broadcast", nbytes(buf), name)
     with _named_failure(info, name):
         dist.broadcast(buf, src=info.global_ranks[src], group=info.group)
     if stats is not None and info.rank == src:
@@ -201,15 +225,17 @@ def broadcast_from(info: GroupInfo, x: torch.Tensor | None, src: int, like: torc
 
 
 def reduce_to(info: GroupInfo, x: torch.Tensor, dst: int, *, stats: CommStats | None = None,
-              name: str = "reduce", async_op: bool = False):
+              name: str = "reduce", async_op: bool = False, trace: Trace | None = None):
     """Sum ``x`` over the group onto member ``dst`` (in place there). Every other member sends one
-    copy. ``x`` itself is left alone (the sum goes into a copy). Returns ``(sum, work)``; ``work`` is
-    None when synchronous or single; the sum is only meaningful on ``dst``."""
+    copy. ``x`` itself is left alone (the sum goes into a copy). Returns ``(sum, work, trace id)``;
+    ``work`` is None when synchronous or single, the id None without ``trace``; the sum is only
+    meaningful on ``dst``."""
     x = x.detach().clone(memory_format=torch.contiguous_format)
     if info.single:
-        return x, None
+        return x, None, None
+    trace_id = record(trace, info, "reduce", nbytes(x), name, async_op=async_op)
     with _named_failure(info, name):
         work = dist.reduce(x, dst=info.global_ranks[dst], group=info.group, async_op=async_op)
     if stats is not None and info.rank != dst:
         stats.add(name, nbytes(x), peer=info.global_ranks[dst])
-    return x, (work if async_op else None)
+    return x, (work if async_op else None), trace_id

@@ -16,6 +16,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..tracing import Trace
 from .groups import GroupInfo, group_info
 from .p2p import PeerError, peer_error
 from .stats import CommStats, nbytes
@@ -53,11 +54,12 @@ def _all_gather_flat(out, flat, group):
 
 
 def all_gather_stack(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | None = None,
-                     name: str = "all_gather") -> torch.Tensor:
+                     name: str = "all_gather", trace: Trace | None = None) -> torch.Tensor:
     """Gather ``x`` from every member: returns ``[N, *x.shape]`` (member order of the group)."""
     x = x.contiguous()
     if info.single:
         return x.unsqueeze(0)
+    record(trace, info, "all_gather", nbytes(x), name)
     flat = x.reshape(-1)
     out = torch.empty((info.size * flat.numel(),), dtype=x.dtype, device=x.device)
     with _named_failure(info, name):
@@ -69,10 +71,11 @@ def all_gather_stack(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | Non
 
 
 def reduce_scatter_stack(info: GroupInfo, x: torch.Tensor, *, stats: CommStats | None = None,
-                         name: str = "reduce_scatter") -> torch.Tensor:
+                         name: str = "reduce_scatter", trace: Trace | None = None) -> torch.Tensor:
     """Sum ``x`` (``[N, *chunk]``) over members and return this member's chunk ``x[rank]`` summed."""
     if info.single:
         return x[0]
+    record(trace, info, "reduce_scatter", nbytes(x[0]), name)
     x = x.contiguous()
     out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # newer name first
@@ -84,6 +87,15 @@ def reduce_scatter_stack(info: GroupInfo, x: torch.Tensor, *, stats: CommStats |
     return out
 
 
+def record(trace: Trace | None, info: GroupInfo, kind: str, chunk: int, name: str, *, splits=None,
+           async_op: bool = False) -> int | None:
+    """Record a collective of this member's ``chunk`` bytes in ``trace`` (None: nothing); its id."""
+    if trace is None:
+        return None
+    return trace.collective(kind, info.global_ranks[info.rank], info.global_ranks, chunk, splits=splits, chan=name,
+                            async_op=async_op)
+
+
 def _add_ring(info: GroupInfo, stats: CommStats, name: str, n: int) -> None:
     """Count a collective that moves ``n`` bytes per member chunk as the ring algorithm routes it
     (gloo's and NCCL's all-gather and reduce-scatter): N-1 chunks, all to the next member, so
@@ -93,11 +105,15 @@ def _add_ring(info: GroupInfo, stats: CommStats, name: str, n: int) -> None:
 
 def all_to_all(info: GroupInfo, x: torch.Tensor, *, input_splits: list[int] | None = None,
                output_splits: list[int] | None = None, stats: CommStats | None = None,
-               name: str = "all_to_all") -> torch.Tensor:
+               name: str = "all_to_all", trace: Trace | None = None) -> torch.Tensor:
     """All-to-all along dim 0 with optional uneven splits (``all_to_all_single``)."""
     x = x.contiguous()
     if info.single:
         return x
+    if trace is not None:
+        row = nbytes(x[:1]) if x.shape[0] else 0
+        sizes = input_splits or [x.shape[0] // info.size] * info.size
+        record(trace, info, "all_to_all", nbytes(x), name, splits=[s * row for s in sizes])
     if output_splits is None:
         out = torch.empty_like(x)
     else:
@@ -116,10 +132,11 @@ def all_to_all(info: GroupInfo, x: torch.Tensor, *, input_splits: list[int] | No
 
 
 def all_reduce_(info: GroupInfo, x: torch.Tensor, *, op=None, stats: CommStats | None = None,
-                name: str = "all_reduce") -> torch.Tensor:
+                name: str = "all_reduce", trace: Trace | None = None) -> torch.Tensor:
     """In-place all-reduce (sum by default)."""
     if info.single:
         return x
+    record(trace, info, "all_reduce", nbytes(x), name)
     with _named_failure(info, name):
         dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=info.group)
     if stats is not None:

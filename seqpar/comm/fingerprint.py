@@ -35,9 +35,9 @@ from .groups import GroupInfo, _is_device_mesh, group_info
 from .p2p import exchange
 from .usp_groups import USPGroups
 
-#: parameters that never shape communication (a CommStats only counts bytes; the switch itself
-#: cannot be compared: a rank that skips the check does not take part in it)
-LOCAL_ONLY = frozenset({"stats", "check_ranks"})
+#: parameters that never shape communication (a CommStats only counts bytes, a Trace only records;
+#: the switch itself cannot be compared: a rank that skips the check does not take part in it)
+LOCAL_ONLY = frozenset({"stats", "check_ranks", "trace"})
 #: arguments whose content shapes communication (document offsets): described by count, total and hash
 CONTENT_ARGUMENTS = frozenset({"cu_seqlens"})
 DIGEST_WORDS = 4  # [local error flag, 3 x 64 bits of the fields' blake2b digest]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..tracing import Trace
 from .groups import GroupInfo
 from .stats import CommStats, nbytes
 
@@ -78,9 +79,14 @@ class Pending:
     peers: list = field(default_factory=list)
     info: GroupInfo | None = None
     name: str = "p2p"
+    trace: Trace | None = None
+    recv_ids: list = field(default_factory=list)  # trace ids of the receives, in posting order
+    ids: list = field(default_factory=list)  # trace ids of every transfer (what wait() waits for)
 
     def wait(self) -> list[torch.Tensor]:
         works, peers, self.works = self.works, self.peers, []
+        if self.trace is not None:
+            self.trace.wait(self.ids)
         for i, w in enumerate(works):
             try:
                 w.wait()
@@ -123,6 +129,8 @@ def exchange(
     *,
     stats: CommStats | None = None,
     name: str = "p2p",
+    trace: Trace | None = None,
+    deps: list | None = None,
 ) -> Pending:
     """Post sends ``(tensor, group_offset)`` and receives ``(buffer, group_offset)`` as one batch.
 
@@ -131,10 +139,13 @@ def exchange(
     An entry may carry a third element, a message tag (default 0): messages between two ranks are
     matched per tag, so streams with different tags never pair up with each other.
     Raises :class:`PeerError` (here or in ``wait()``) when a peer crashed or timed out.
+    ``trace``: record every transfer there (stream ``name``), the sends with ``deps[i]`` (the ids
+    of the events whose results send ``i`` carries).
     """
     if info.single or (not sends and not recvs):
         return Pending([], [entry[0] for entry in recvs])
     ops, transfers = [], []
+    ids = _record(trace, info, sends, recvs, name, deps) if trace is not None else ([], [])
     for t, off, *tag in sends:
         peer = info.peer(off)
         if not t.is_contiguous():
@@ -147,7 +158,16 @@ def exchange(
         ops.append(dist.P2POp(dist.irecv, buf, info.peer(off), info.group, tag[0] if tag else 0))
         transfers.append((info.peer(off), "recv"))
     works, per = _post(info, ops, transfers, name)
-    return Pending(works, [entry[0] for entry in recvs], per, info, name)
+    return Pending(works, [entry[0] for entry in recvs], per, info, name, trace, ids[1], ids[0] + ids[1])
+
+
+def _record(trace: Trace, info: GroupInfo, sends, recvs, name: str, deps) -> tuple[list, list]:
+    """Trace ids of the sends and of the receives of one :func:`exchange`."""
+    me = info.global_ranks[info.rank]
+    sent = [trace.send(me, info.peer(off), nbytes(t), chan=name, tag=tag[0] if tag else 0,
+                       deps=deps[i] if deps else ()) for i, (t, off, *tag) in enumerate(sends)]
+    got = [trace.recv(info.peer(off), me, nbytes(t), chan=name, tag=tag[0] if tag else 0) for t, off, *tag in recvs]
+    return sent, got
 
 
 def ring_shift(

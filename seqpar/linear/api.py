@@ -10,6 +10,7 @@ from ..comm.agreement import agreed, check_ranks_enabled, check_same_on_ranks
 from ..comm.fingerprint import call_fields
 from ..comm.groups import group_info
 from ..comm.stats import CommStats
+from ..tracing import Trace, begin, end, resolve
 from .geometry import build_shard, check_cu_seqlens
 from .kernels import fla_refusal, select_kernel
 from .ops import LinearConfig, LinearSPFunction
@@ -66,7 +67,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      group=None, method="zeco", scale: float | None = None,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                      cu_seqlens=None, stats: CommStats | None = None, backend: str | None = None,
-                     check_ranks: bool | None = None):
+                     check_ranks: bool | None = None, trace: Trace | None = None):
     """Gated linear attention over a sequence split contiguously across the ranks of ``group``.
 
     Semantics of flash-linear-attention's ``chunk_gla``, per head with state ``S [K, V]``:
@@ -109,12 +110,17 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     hanging or returning a wrong result. None (default): on, unless ``SEQPAR_CHECK_RANKS=0`` (read
     at each call); ``False`` skips it, with that risk.
 
+    ``trace``: a :class:`seqpar.Trace` that records this rank's kernels and messages, forward and
+    backward (default: the enclosing ``with seqpar.trace(...)`` block's, else none).
+
     Raises ``ValueError`` naming the argument before any communication for bad input;
     :class:`seqpar.PeerError` when a peer rank crashes or times out during the call.
     """
     arguments = dict(locals())  # every parameter: the rank agreement covers an option added later too
+    trace = resolve(trace)
+    begin(trace, "linear fwd")
     info = group_info(group)
-    args = (method, scale, initial_state, output_final_state, cu_seqlens, stats, backend)
+    args = (method, scale, initial_state, output_final_state, cu_seqlens, stats, backend, trace)
     if not check_ranks_enabled(check_ranks):
         prepared = _prepare(q, k, v, g, info, *args)
         if prepared[2] is not None:  # packed: the same offsets on every rank (a 3-number all-gather, as
@@ -127,7 +133,8 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return _launch(q, k, v, g, initial_state, *prepared)
 
 
-def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend):
+def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend,
+             trace):
     """Every local check (no communication); returns what :func:`_launch` needs."""
     _validate(q, k, v, g, scale, initial_state, output_final_state, stats)
     plan = resolve_plan(method)
@@ -144,17 +151,19 @@ def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state,
                              f"{tuple(initial_state.shape)}")
     scale = float(kd ** -0.5 if scale is None else scale)
     kernel = select_kernel(q, backend)
-    return info, plan, cu, scale, kernel, output_final_state, stats, backend
+    return info, plan, cu, scale, kernel, output_final_state, stats, backend, trace
 
 
-def _launch(q, k, v, g, initial_state, info, plan, cu, scale, kernel, output_final_state, stats, backend):
+def _launch(q, k, v, g, initial_state, info, plan, cu, scale, kernel, output_final_state, stats, backend, trace):
     bsz, t_local = q.shape[:2]
     if info.single and backend is None and fla_refusal(q) is None:
+        end(trace, "linear fwd")  # one device, flash-linear-attention's kernels: nothing of ours to trace
         return _fla_single(q, k, v, g, scale, initial_state, output_final_state, cu)
     shard = build_shard(info.rank, info.size, bsz, t_local, cu)
     cfg = LinearConfig(info, plan, shard, kernel.layout(shard.seq_lens, q.device), kernel, scale,
-                       output_final_state, stats)
+                       output_final_state, stats, trace)
     out = LinearSPFunction.apply(q, k, v, g, initial_state, cfg)
+    end(trace, "linear fwd")
     return out if output_final_state else (out, None)
 
 

@@ -20,7 +20,8 @@ import torch
 
 from ..comm.groups import GroupInfo
 from ..comm.stats import CommStats
-from ..kernels.linear_chunk import ChunkLayout
+from ..kernels.linear_chunk import CHUNK, ChunkLayout
+from ..tracing import Trace, begin, end, linear_part_flops, span
 from .geometry import LinearShard
 from .plans import ScanPlan, make_exchange
 
@@ -37,6 +38,12 @@ class LinearConfig:
     scale: float
     output_final_state: bool
     stats: CommStats | None = None
+    trace: Trace | None = None
+
+
+def _flops(q, v, part: str, bwd: bool = False) -> float:
+    """One kernel's share of the bench's linear-attention FLOPs (seqpar.tracing.linear_part_flops)."""
+    return linear_part_flops(*q.shape, v.shape[-1], part, bwd, CHUNK)
 
 
 def _rows_to_seqs(rows: torch.Tensor, seqs: tuple[int, ...], n_seq: int) -> torch.Tensor | None:
@@ -79,21 +86,26 @@ def linear_sp_fwd(q, k, v, g, h0, cfg: LinearConfig):
     st, kern, plan = cfg.shard, cfg.kernel, cfg.plan
     if cfg.stats is not None:
         cfg.stats.phase = "fwd"
-    p = kern.prepare(q, k, v, g, cfg.scale, cfg.layout)
-    h, _ht = kern.states(p, None)                        # cheap pass: S_loc with a zero incoming state
+    tr = cfg.trace
+    with span(tr, "linear_states", flops=_flops(q, v, "states"), shape=q.shape):
+        p = kern.prepare(q, k, v, g, cfg.scale, cfg.layout)
+        h, _ht = kern.states(p, None)                    # cheap pass: S_loc with a zero incoming state
     local = _ht[list(st.out_seqs)]
     gam = _gamma_end(g, st, local)
     first = None if h0 is None else h0.to(local.dtype)
-    ex = make_exchange(cfg.info, plan, cfg.stats)
+    ex = make_exchange(cfg.info, plan, cfg.stats, tr)
     if plan.overlap:
         ex.start_fwd(local, gam, first)
-    o_intra = kern.intra(p)                              # the heavy part, while the states travel
+    with span(tr, "linear_intra", flops=_flops(q, v, "intra"), shape=q.shape):
+        o_intra = kern.intra(p)                          # the heavy part, while the states travel
     if not plan.overlap:
         ex.start_fwd(local, gam, first)
     s_in, final = ex.finish_fwd(cfg.output_final_state)
     if st.uses_incoming and (cfg.info.rank > 0 or h0 is not None):
-        h, _ = kern.states(p, _rows_to_seqs(s_in, st.in_seqs, st.n_seq))
-    o = kern.output(p, h, o_intra)
+        with span(tr, "linear_states", flops=_flops(q, v, "states"), shape=q.shape):
+            h, _ = kern.states(p, _rows_to_seqs(s_in, st.in_seqs, st.n_seq))
+    with span(tr, "linear_output", flops=_flops(q, v, "output"), shape=q.shape):
+        o = kern.output(p, h, o_intra)
     b, t, hh, _ = q.shape
     return o.view(b, t, hh, -1).to(q.dtype), final, (s_in, gam, ex)
 
@@ -109,21 +121,26 @@ def linear_sp_bwd(do, dfinal, q, k, v, g, h0, saved, cfg: LinearConfig, need_dh0
     s_in, gam, ex = saved
     if cfg.stats is not None:
         cfg.stats.phase = "bwd"
-    p = kern.prepare(q, k, v, g, cfg.scale, cfg.layout)
-    h, _ = kern.states(p, _rows_to_seqs(s_in, st.in_seqs, st.n_seq))
-    do_c = kern.chunk_grad(do, p)
-    dh, dh0 = kern.dstates(p, do_c, None)                # cheap pass: local part of dS_in
+    tr = cfg.trace
+    with span(tr, "linear_dstates", flops=_flops(q, v, "states", True) * 1.5, shape=q.shape):
+        p = kern.prepare(q, k, v, g, cfg.scale, cfg.layout)
+        h, _ = kern.states(p, _rows_to_seqs(s_in, st.in_seqs, st.n_seq))
+        do_c = kern.chunk_grad(do, p)
+        dh, dh0 = kern.dstates(p, do_c, None)            # cheap pass: local part of dS_in
     own = _seqs_to_rows(dh0, st.in_seqs)
     dht = dfinal.to(own.dtype) if cfg.output_final_state else None
     if plan.overlap:
         ex.start_bwd(own, gam, dht)
-    dq, dk, dv = kern.bwd_intra(p, do_c, h)             # the heavy part, while the gradients travel
+    with span(tr, "linear_bwd_intra", flops=_flops(q, v, "intra", True), shape=q.shape):
+        dq, dk, dv = kern.bwd_intra(p, do_c, h)         # the heavy part, while the gradients travel
     if not plan.overlap:
         ex.start_bwd(own, gam, dht)
     ds_out = ex.finish_bwd()
     if cfg.info.rank < cfg.info.size - 1 or dht is not None:
-        dh, dh0 = kern.dstates(p, do_c, _rows_to_seqs(ds_out, st.out_seqs, st.n_seq))
-    dq, dk, dv, dg = kern.bwd_finish(p, h, dh, dq, dk, dv)
+        with span(tr, "linear_dstates", flops=_flops(q, v, "states", True), shape=q.shape):
+            dh, dh0 = kern.dstates(p, do_c, _rows_to_seqs(ds_out, st.out_seqs, st.n_seq))
+    with span(tr, "linear_bwd_finish", flops=_flops(q, v, "output", True), shape=q.shape):
+        dq, dk, dv, dg = kern.bwd_finish(p, h, dh, dq, dk, dv)
     b, t, hh, _ = q.shape
     dq, dk, dv = (x.view(b, t, hh, -1).to(y.dtype) for x, y in ((dq, q), (dk, k), (dv, v)))
     if dg is not None:
@@ -154,6 +171,8 @@ class LinearSPFunction(torch.autograd.Function):
         need_dh0 = h0 is not None and ctx.needs_input_grad[4]
         if dfinal is None and cfg.output_final_state:
             dfinal = torch.zeros_like(ctx.saved[0])
+        begin(cfg.trace, "linear bwd")
         with torch.autocast(q.device.type, enabled=False):
             grads = linear_sp_bwd(do, dfinal, q, k, v, g, h0, ctx.saved, cfg, need_dh0)
+        end(cfg.trace, "linear bwd")
         return (*grads, None)

@@ -76,14 +76,14 @@ class ChainExchange:
     last rank broadcasts the final state (``"broadcast_final_state"``) and every other rank sends its
     final-state gradient to it (``"reduce_final_state_grad"``)."""
 
-    def __init__(self, info: GroupInfo, plan: ScanPlan, stats: CommStats | None) -> None:
-        self.info, self.plan, self.stats = info, plan, stats
+    def __init__(self, info: GroupInfo, plan: ScanPlan, stats: CommStats | None, trace=None) -> None:
+        self.info, self.plan, self.stats, self.trace = info, plan, stats, trace
         self._scan = None
         self._work = None
 
     def start_fwd(self, local, decay, first) -> None:
         self._scan = ChainScan(self.info, local, decay, first, n_blocks=self.plan.n_blocks,
-                               stats=self.stats, name="allscan").start()
+                               stats=self.stats, name="allscan", trace=self.trace).start()
 
     def finish_fwd(self, want_final: bool):
         inc, out = self._scan.wait()
@@ -92,16 +92,17 @@ class ChainExchange:
         if want_final:
             tail = self.info.size - 1
             final = broadcast_from(self.info, out if self.info.rank == tail else None, tail, out,
-                                   stats=self.stats, name="broadcast_final_state")
+                                   stats=self.stats, name="broadcast_final_state", trace=self.trace)
         return inc, final
 
     def start_bwd(self, local, decay, dht) -> None:
-        first = None
+        first = first_id = None
         if dht is not None:  # every rank's copy of the final state feeds the loss: sum their gradients
-            first, self._work = reduce_to(self.info, dht, self.info.size - 1, stats=self.stats,
-                                          name="reduce_final_state_grad", async_op=True)
+            first, self._work, first_id = reduce_to(self.info, dht, self.info.size - 1, stats=self.stats,
+                                                    name="reduce_final_state_grad", async_op=True, trace=self.trace)
         self._scan = ChainScan(self.info, local, decay, first, n_blocks=self.plan.n_blocks, reverse=True,
-                               stats=self.stats, name="allscan", first_work=self._work).start()
+                               stats=self.stats, name="allscan", first_work=self._work, trace=self.trace,
+                               first_id=first_id).start()
 
     def finish_bwd(self) -> torch.Tensor:
         inc, _ = self._scan.wait()
@@ -116,15 +117,16 @@ class GatherExchange:
     rank receives ``(N-1)*R*H*K*(V+1)``), fold locally; backward all-gathers the local gradient terms
     (and the final-state gradients), the decays are kept from the forward pass."""
 
-    def __init__(self, info: GroupInfo, plan: ScanPlan, stats: CommStats | None) -> None:
-        self.info, self.stats = info, stats
+    def __init__(self, info: GroupInfo, plan: ScanPlan, stats: CommStats | None, trace=None) -> None:
+        self.info, self.stats, self.trace = info, stats, trace
         self._pending = self._first = self.decays = None
         self._with_dht = False
 
     def start_fwd(self, local, decay, first) -> None:
         self._first = first
         x = torch.cat([local, decay.expand(local.shape[:-1])[..., None]], dim=-1)
-        self._pending = allgather_start(self.info, x, stats=self.stats, name="all_gather_states")
+        self._pending = allgather_start(self.info, x, stats=self.stats, name="all_gather_states",
+                                        trace=self.trace)
 
     def finish_fwd(self, want_final: bool):
         x = self._pending.wait()
@@ -137,7 +139,8 @@ class GatherExchange:
     def start_bwd(self, local, decay, dht) -> None:
         self._with_dht = dht is not None
         x = local if dht is None else torch.cat([local, dht.to(local.dtype)], dim=-1)
-        self._pending = allgather_start(self.info, x, stats=self.stats, name="all_gather_states")
+        self._pending = allgather_start(self.info, x, stats=self.stats, name="all_gather_states",
+                                        trace=self.trace)
 
     def finish_bwd(self) -> torch.Tensor:
         x = self._pending.wait()
@@ -147,6 +150,6 @@ class GatherExchange:
         return fold_reverse(x[..., :v], self.decays, last, self.info.rank)
 
 
-def make_exchange(info: GroupInfo, plan: ScanPlan, stats: CommStats | None):
+def make_exchange(info: GroupInfo, plan: ScanPlan, stats: CommStats | None, trace=None):
     cls = ChainExchange if plan.exchange == "chain" else GatherExchange
-    return cls(info, plan, stats)
+    return cls(info, plan, stats, trace)

@@ -28,7 +28,7 @@ from ..methods import BY_PREFERENCE
 from ..methods import method as declared
 from .cluster import ClusterSpec, _lookup, _size_table, check_file_keys, is_power_of_two
 from .cost_comm import comm_parts, method_buffers
-from .schedule_terms import attention_factor
+from .replay_table import attention_factor
 
 #: every method the cost model knows, in the planner's order of preference (seqpar.methods)
 KNOWN_METHODS = BY_PREFERENCE

@@ -3,15 +3,15 @@
 A method's declaration (:mod:`seqpar.methods`) names its communication structure (``comm``) and its
 per-token buffers (``buffers``); this module turns them into bytes. Volumes are what seqpar's
 implementations send (causal, docs/methods.md, asserted byte for byte by their tests through
-``CommStats``); the schedule-dependent ones (TokenRing, LightSeq) come from
-:mod:`.schedule_terms`.
+``CommStats``); the schedule-dependent ones (TokenRing, LightSeq) come from the replayed schedule
+traces (:mod:`.replay_table`).
 """
 
 from __future__ import annotations
 
 from ..methods import method as declared
 from .cluster import ClusterSpec
-from .schedule_terms import _schedule_bytes, usp_degree
+from .replay_table import schedule_bytes, usp_degree
 
 
 def method_buffers(method: str, hidden: int, kv_hidden: int, n_heads: int, e: int) -> tuple[float, float]:
@@ -63,7 +63,7 @@ def comm_parts(model, method: str, d: int, cluster: ClusterSpec) -> tuple[list[t
         return [(f * 2 * hk * (2 * e + acc) * L, 0.0, False, d, "all_gather")], \
             3 * L * cluster.latency(d, "all_gather")
     if kind == "schedule":  # busiest rank of the causal schedule, overlapped
-        per_c = _schedule_bytes(method, d, H, hk // (h // H), h // H, e, acc)
+        per_c = schedule_bytes(method, d, H, hk // (h // H), h // H, e, acc)
         steps = d - 1 if method == "token_ring" else d // 2
         return [(per_c / d * L, 0.0, True, d, "p2p")], 2 * (steps + 1) * L * lat
     if kind == "alltoall_ring":  # Ulysses over u ranks inside a node, ring over r = d/u across

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,6 +20,7 @@ from ..kernels import Band, available_backends, check_qkv, select_backend
 from ..layouts import PackedLayout, check_cu_seqlens, placement
 from ..methods import Method, check_usp_options, check_window, names
 from ..methods import method as declared
+from ..tracing import Trace, begin, end, resolve
 from .checkpoint import active_tape
 from .executor import RingAttention, RingConfig
 from .packed import packed_schedule
@@ -102,7 +103,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
               backend: str | None = None, stats: CommStats | None = None,
               grad_comm_dtype: str | None = None, ulysses_degree: int | None = None,
               ring_method: str | None = None, check_ranks: bool | None = None,
-              window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              window: int | None = None, sinks: torch.Tensor | None = None,
+              trace: Trace | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence split across the ranks of ``group``.
 
     Shapes (N = ranks in ``group``, ``T_local = T_global / N``):
@@ -155,12 +157,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             Every method; applied after the merge of all steps (no extra communication). Its
             gradient on each rank is that rank's share: sum it over the group (as for every
             parameter under context parallelism) for the gradient of the whole sequence.
+        trace: a :class:`seqpar.Trace` that records this rank's kernels, messages and their
+            dependencies, forward and backward (default: the enclosing ``with seqpar.trace(...)``
+            block's, else none; :mod:`seqpar.tracing`).
 
     Raises ``ValueError`` naming the argument, on every rank and before any communication, for bad
     shapes, dtypes, method, backend, window or lengths. Raises :class:`seqpar.PeerError` when a peer rank
     crashes or times out during the call.
     """
     arguments = dict(locals())  # every parameter: the rank agreement covers an option added later too
+    trace = resolve(trace)
+    begin(trace, "attention fwd")
     opts = dict(group=group, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                 backend=backend, stats=stats, grad_comm_dtype=grad_comm_dtype, ulysses_degree=ulysses_degree,
                 ring_method=ring_method, window=window, sinks=sinks)
@@ -174,7 +181,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         call = agreed(agreement_groups(group, usp=method == "usp", ulysses_degree=ulysses_degree), "seqpar.attention",
                       _fingerprint(arguments), lambda: _prepare(q, k, v, same_offsets_check=False, **opts),
                       device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
-    return FAMILIES[call.spec.family](q.contiguous(), k.contiguous(), v.contiguous(), call)
+    out = FAMILIES[call.spec.family](q.contiguous(), k.contiguous(), v.contiguous(), replace(call, trace=trace))
+    end(trace, "attention fwd")
+    return out
 
 
 def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
@@ -244,6 +253,7 @@ class CallSpec:
     packed: PackedLayout | None = None  # packed input: geometry built once (schedules cached on it)
     window: int | None = None  # sliding window as given (runners drop one that covers everything)
     sinks: torch.Tensor | None = None  # [Hq] float32 attention sinks (seqpar.softmax.sinks), or None
+    trace: Trace | None = None  # records this call (seqpar.tracing)
 
 
 def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
@@ -253,7 +263,7 @@ def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
     else:
         plan = dense_plan(call.spec, call.info.rank, call.info.size, q.shape[1], call.causal, window)
     cfg = RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
-                     grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels)
+                     grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels, trace=call.trace)
     return RingAttention.apply(q, k, v, call.sinks, cfg)
 
 

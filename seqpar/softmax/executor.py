@@ -38,9 +38,11 @@ from ..comm import (
 )
 from ..kernels import block_backward, block_forward, merge_, new_accumulator
 from ..kernels.varlen import varlen_backward, varlen_forward
+from ..tracing import Trace, begin, end
 from .checkpoint import active_tape
 from .plans import FOLD, OPERANDS, PAYLOADS, WIRES, Move, RingPlan, Schedule, Task, Wire
 from .sinks import apply_sinks, sinks_grad
+from .tracebook import RunBook, block_span
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class RingConfig:
     grad_comm_dtype: torch.dtype | None = None  # None: dq, dK, dV travel in fp32 (exact)
     stats: CommStats | None = None
     channels: tuple[GroupInfo, ...] | None = None
+    trace: Trace | None = None  # records kernels, messages and their dependencies (seqpar.tracing)
 
     def channel(self, i: int) -> GroupInfo:
         if not self.channels:
@@ -70,7 +73,7 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _tag(what: str, part: int, index: int = 0) -> int:
+def message_tag(what: str, part: int, index: int = 0) -> int:
     """Each payload (and each tensor of it) is its own message stream between two ranks, so two
     payloads crossing the same link in one step can never be matched with each other; ``index``
     numbers the row ranges of one payload sent to one peer in one step (in order of their rows,
@@ -140,6 +143,7 @@ class _Run:
         self.mine: dict = {"out": self._zeros("out")}
         if self.bwd:
             self.mine["dkv"] = self._zeros("dkv")
+        self.book = RunBook() if cfg.trace is not None else None
 
     # ---------------------------------------------------------------- payload geometry (plans.WIRES)
     def _wires(self, what: str) -> tuple[Wire, ...]:
@@ -244,7 +248,9 @@ class _Run:
         return tuple(torch.empty(((len(w.parts),) if len(w.parts) > 1 else ()) + self._part_shape(w, n),
                                  dtype=self._dtype(w), device=self.device) for w in self._wires(m.what))
 
-    def arrived(self, m: Move, bufs: tuple) -> None:
+    def arrived(self, m: Move, bufs: tuple, ids=()) -> None:
+        if self.book is not None:
+            self.book.arrived(m.what, m.owner, ids)
         parts = {}
         for w, buf in zip(self._wires(m.what), bufs):
             parts.update(zip(w.parts, buf) if len(w.parts) > 1 else ((w.parts[0], buf),))
@@ -258,25 +264,28 @@ class _Run:
         """Post a step's moves, one batch per (channel, payload); returns what to wait for."""
         batches: dict = {}
         per_peer: dict = {}
-        for m, index in _indexed(moves):
+        for m, index in indexed_moves(moves):
             if (m.what, self.bwd) not in WIRES:  # dK,dV moves are for the backward pass only
                 continue
             sends, recvs, arrivals = batches.setdefault((m.channel, m.what), ([], [], []))
             if m.send:
                 tensors = self.wire(m.what, m.owner, m.rows) if m.what in OPERANDS else \
                     self.take(m.what, m.owner, m.rows)
-                sends += [(t, m.peer, _tag(m.what, i, index)) for i, t in enumerate(tensors)]
+                sends += [(t, m.peer, message_tag(m.what, i, index)) for i, t in enumerate(tensors)]
                 per_peer[m.peer] = per_peer.get(m.peer, 0) + nbytes(*tensors)
+                if self.book is not None:
+                    self.book.sending((m.channel, m.what), m.what, m.owner, len(tensors))
             else:
                 bufs = self.buffers(m)
-                recvs += [(t, m.peer, _tag(m.what, i, index)) for i, t in enumerate(bufs)]
+                recvs += [(t, m.peer, message_tag(m.what, i, index)) for i, t in enumerate(bufs)]
                 arrivals.append((m, bufs))
         stats = self.cfg.stats
         if stats is not None and per_peer:
             stats.note_step({self.cfg.info.peer(p): n for p, n in per_peer.items()})
         posted = []
         for (ch, what), (sends, recvs, arrivals) in batches.items():
-            pending = exchange(self.cfg.channel(ch), sends, recvs, stats=stats, name=f"{self.sched.name}_{what}")
+            pending = exchange(self.cfg.channel(ch), sends, recvs, stats=stats, name=f"{self.sched.name}_{what}",
+                               trace=self.cfg.trace, deps=self.book and self.book.posted((ch, what)))
             posted.append((pending, arrivals))
         return posted
 
@@ -284,6 +293,8 @@ class _Run:
         """Operands that arrived in this step replace what was held of the same owner's payload."""
         self.held.update(self.incoming)
         self.incoming = {}
+        if self.book is not None:
+            self.book.settle()
 
     def compute(self, task: Task) -> None:
         cfg = self.cfg
@@ -291,21 +302,23 @@ class _Run:
             qh, kvh = self.piece("q", task.q, b.q), self.piece("kv", task.kv, b.kv)
             k, v, qp = kvh.parts["k"], kvh.parts["v"], qh.parts
             qr, kr = qh.local(b.q), kvh.local(b.kv)
-            if b.segments is not None:
-                self._compute_packed(task, b, qp, qr, k[:, kr], v[:, kr])
-                continue
-            if not self.bwd:
-                o, lse = block_forward(qp["q"][:, qr], k[:, kr], v[:, kr], scale=cfg.scale, mask=b.mask,
-                                       backend=cfg.backend)
-                self.add("out", task.q, b.q, (o, lse))
-                continue
+            with block_span(cfg.trace, self.book, task, b, qp["q"][:, qr], k[:, kr], self.bwd):
+                self._block(task, b, qp, qr, k[:, kr], v[:, kr])
+
+    def _block(self, task: Task, b, qp: dict, qr: slice, k, v) -> None:
+        cfg = self.cfg
+        if b.segments is not None:
+            self._compute_packed(task, b, qp, qr, k, v)
+        elif not self.bwd:
+            o, lse = block_forward(qp["q"][:, qr], k, v, scale=cfg.scale, mask=b.mask, backend=cfg.backend)
+            self.add("out", task.q, b.q, (o, lse))
+        else:
             delta = _foreign_delta(task, qp, qr)
-            gq, gk, gv = block_backward(qp["dout"][:, qr], qp["q"][:, qr], k[:, kr], v[:, kr], qp["out"][:, qr],
+            gq, gk, gv = block_backward(qp["dout"][:, qr], qp["q"][:, qr], k, v, qp["out"][:, qr],
                                         qp["lse"][:, :, qr], scale=cfg.scale, mask=b.mask, backend=cfg.backend,
                                         delta=delta)
             self.add("out", task.q, b.q, (gq,))
             self.add("dkv", task.kv, b.kv, (gk, gv))
-
 
     def _compute_packed(self, task: Task, b, qp: dict, qr: slice, k, v) -> None:
         """A packed block: the varlen kernels accumulate in place into this rank's fp32
@@ -333,7 +346,7 @@ class _Run:
             self.add("dkv", task.kv, b.kv, (gk, gv))
 
 
-def _indexed(moves) -> list:
+def indexed_moves(moves) -> list:
     """Each move with its index among the step's moves of the same payload, peer, direction and
     channel, in order of their rows (both ends of a message count the same way)."""
     seen: dict = {}
@@ -364,12 +377,14 @@ def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
     gathered = sched.transport == "allgather" and not info.single
     if gathered:
         kv = torch.stack([k, v])
-        kv_all = all_gather_stack(info, kv, stats=cfg.stats, name="allgather_kv")
+        kv_all = all_gather_stack(info, kv, stats=cfg.stats, name="allgather_kv", trace=cfg.trace)
         if cfg.stats is not None:  # a ring all-gather passes one shard to the next rank per step
             cfg.stats.note_step({info.peer(1): nbytes(kv)})
         for j in range(info.size):
             if j != info.rank:
                 run.held[("kv", (j - info.rank) % info.size)] = [_Held(0, {"k": kv_all[j][0], "v": kv_all[j][1]})]
+                if run.book is not None:
+                    run.book.gathered(("kv", (j - info.rank) % info.size), cfg.trace.last_id)
     last = _last_use(sched)
     for i, step in enumerate(sched.steps):
         posted = run.post(step.moves)
@@ -377,8 +392,9 @@ def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
             run.compute(task)
         for pending, arrivals in posted:
             pending.wait()
+            got = iter(pending.recv_ids)
             for m, bufs in arrivals:
-                run.arrived(m, bufs)
+                run.arrived(m, bufs, [i for i, _ in zip(got, bufs)])
         run.settle()
         for key in [key for key in run.held if key[1] != 0 and last.get(key, -1) <= i]:
             del run.held[key]
@@ -392,7 +408,7 @@ def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
             parts = run.partials.pop(("dkv", off), []) + ([(slice(None), run.mine["dkv"])] if off == 0 else [])
             for r, p in parts:
                 run._fold(acc, "dkv", r, p)
-        dkv = reduce_scatter_stack(info, full, stats=cfg.stats, name="reduce_scatter_dkv")
+        dkv = reduce_scatter_stack(info, full, stats=cfg.stats, name="reduce_scatter_dkv", trace=cfg.trace)
         return run.mine["out"][0], dkv[0], dkv[1]
     return run.mine["out"][0], run.mine["dkv"][0], run.mine["dkv"][1]
 
@@ -452,7 +468,9 @@ class RingAttention(torch.autograd.Function):
         if cfg.stats is not None:
             cfg.stats.phase = "bwd"
         dout = dout.contiguous()
+        begin(cfg.trace, "attention bwd")
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, cfg)
+        end(cfg.trace, "attention bwd")
         if cfg.stats is not None:
             cfg.stats.phase = "fwd"
         ds = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None

@@ -50,9 +50,11 @@ from einops import rearrange
 
 from ..comm import CommStats, GroupInfo, all_to_all
 from ..kernels import block_backward, block_forward, window_band
+from ..kernels.masks import visible_pairs
 from ..kernels.varlen import varlen_backward, varlen_forward
 from ..layouts.ulysses import packed_heads
 from ..methods import head_shards
+from ..tracing import Trace, begin, block_flops, end, span
 from .checkpoint import active_tape
 from .executor import RingConfig, ring_backward, ring_forward
 from .sinks import apply_sinks, sinks_grad
@@ -114,7 +116,7 @@ def gqa_segments(q_split: HeadSplit, kv_split: HeadSplit, g: int, m: int) -> tup
     return tuple(Segment(slice(a, b), slice(c, d)) for a, b, c, d, _ in segs)
 
 
-def seq_to_heads(axis: GroupInfo, parts, splits, *, stats: CommStats | None, name: str):
+def seq_to_heads(axis: GroupInfo, parts, splits, *, stats: CommStats | None, name: str, trace: Trace | None = None):
     """One all-to-all: ``parts[i]`` ``[B, c, H_i, D]`` (sequence shards) -> ``[B, U·c, n_i, D]``
     (this member's heads of ``splits[i]``, whole Ulysses-axis sequence in member order)."""
     if axis.single:
@@ -130,7 +132,7 @@ def seq_to_heads(axis: GroupInfo, parts, splits, *, stats: CommStats | None, nam
             off += size
     chunk = sum(sizes[me])
     recv = all_to_all(axis, send, input_splits=[sum(x) for x in sizes], output_splits=[chunk] * u,
-                      stats=stats, name=name).view(u, chunk)
+                      stats=stats, name=name, trace=trace).view(u, chunk)
     outs, off = [], 0
     for s, size in zip(splits, sizes[me]):
         n = s.count(me)
@@ -140,7 +142,8 @@ def seq_to_heads(axis: GroupInfo, parts, splits, *, stats: CommStats | None, nam
     return outs
 
 
-def heads_to_seq(axis: GroupInfo, parts, splits, heads, *, stats: CommStats | None, name: str):
+def heads_to_seq(axis: GroupInfo, parts, splits, heads, *, stats: CommStats | None, name: str,
+                 trace: Trace | None = None):
     """Inverse of :func:`seq_to_heads`: ``parts[i]`` ``[B, U·c, n_i, D]`` -> ``[B, c, heads[i], D]``.
 
     A head held by several members (a shared KV head) comes back summed in fp32, then cast.
@@ -159,7 +162,7 @@ def heads_to_seq(axis: GroupInfo, parts, splits, heads, *, stats: CommStats | No
         grid[:, off:off + size].view(u, b, c, n, d).copy_(rearrange(y, "b (u c) n d -> u b c n d", u=u))
         off += size
     recv = all_to_all(axis, send, input_splits=[chunk] * u, output_splits=[sum(x) for x in sizes],
-                      stats=stats, name=name)
+                      stats=stats, name=name, trace=trace)
     acc = torch.float64 if parts[0].dtype == torch.float64 else torch.float32
     outs = [parts[0].new_empty(b, c, h, d) if s.disjoint else parts[0].new_zeros(b, c, h, d, dtype=acc)
             for s, h in zip(splits, heads)]
@@ -195,6 +198,7 @@ class UlyssesConfig:
     ring: RingConfig | None = None
     packed: object = None  # PackedHeads (seqpar.layouts.ulysses) of packed plain-Ulysses input
     window: int | None = None  # sliding window of the local attention (plain Ulysses, dense input)
+    trace: Trace | None = None  # records the all-to-alls and the local attention (seqpar.tracing)
 
     @property
     def mask(self):
@@ -204,27 +208,46 @@ class UlyssesConfig:
         return "causal" if self.causal else "none"
 
 
+def _span(cfg: UlyssesConfig, q, k, bwd: bool):
+    """Time the local attention of heads ``q [B, L, h, D]`` in the trace (a no-op without one)."""
+    tr = cfg.trace
+    if tr is None:
+        return span(None, "")
+    b, t, h, d = q.shape
+    pairs = cfg.packed.segments.pairs if cfg.packed is not None else None
+    mask = cfg.mask
+    if pairs is None and not isinstance(mask, str):  # a window band: its visible pairs
+        pairs, mask = visible_pairs(t, k.shape[1], mask), f"band({mask.lo}, {mask.hi})"
+    varlen = cfg.packed is not None
+    return tr.compute(("varlen_" if varlen else "block_") + ("bwd" if bwd else "fwd"),
+                      flops=block_flops(b, t, k.shape[1], h, d, mask, bwd, pairs=pairs),
+                      shape=(b, t, k.shape[1], h, k.shape[2], d), mask=None if varlen else mask,
+                      deps=[tr.last_id])
+
+
 def _segment_forward(q, k, v, cfg: UlyssesConfig):
     if cfg.ring is not None:
         return ring_forward(q, k, v, cfg.ring)
-    if cfg.packed is not None:  # rank-major pieces -> document order, one varlen call, back
-        order, inv = cfg.packed.index(q.device)
-        out, lse = varlen_forward(*(x.index_select(1, order) for x in (q, k, v)), cfg.packed.segments,
-                                  scale=cfg.scale, backend=cfg.backend)
-        return out.index_select(1, inv), lse.index_select(2, inv)
-    return block_forward(q, k, v, scale=cfg.scale, mask=cfg.mask, backend=cfg.backend)
+    with _span(cfg, q, k, False):
+        if cfg.packed is not None:  # rank-major pieces -> document order, one varlen call, back
+            order, inv = cfg.packed.index(q.device)
+            out, lse = varlen_forward(*(x.index_select(1, order) for x in (q, k, v)), cfg.packed.segments,
+                                      scale=cfg.scale, backend=cfg.backend)
+            return out.index_select(1, inv), lse.index_select(2, inv)
+        return block_forward(q, k, v, scale=cfg.scale, mask=cfg.mask, backend=cfg.backend)
 
 
 def _segment_backward(dout, q, k, v, out, lse, cfg: UlyssesConfig):
     if cfg.ring is not None:
         return ring_backward(dout, q, k, v, out, lse, cfg.ring)
-    if cfg.packed is not None:
-        order, inv = cfg.packed.index(q.device)
-        grads = varlen_backward(*(x.index_select(1, order) for x in (dout, q, k, v, out)),
-                                lse.index_select(2, order), cfg.packed.segments, scale=cfg.scale,
-                                backend=cfg.backend)
-        return tuple(g.index_select(1, inv) for g in grads)
-    return block_backward(dout, q, k, v, out, lse, scale=cfg.scale, mask=cfg.mask, backend=cfg.backend)
+    with _span(cfg, q, k, True):
+        if cfg.packed is not None:
+            order, inv = cfg.packed.index(q.device)
+            grads = varlen_backward(*(x.index_select(1, order) for x in (dout, q, k, v, out)),
+                                    lse.index_select(2, order), cfg.packed.segments, scale=cfg.scale,
+                                    backend=cfg.backend)
+            return tuple(g.index_select(1, inv) for g in grads)
+        return block_backward(dout, q, k, v, out, lse, scale=cfg.scale, mask=cfg.mask, backend=cfg.backend)
 
 
 def _local_forward(qh, kh, vh, cfg: UlyssesConfig, sinks=None):
@@ -261,7 +284,7 @@ def _local_sinks(sinks, cfg: UlyssesConfig):
 
 def _qkv_to_heads(q, k, v, cfg: UlyssesConfig):
     splits = (cfg.q_split, cfg.kv_split, cfg.kv_split)
-    return seq_to_heads(cfg.axis, (q, k, v), splits, stats=cfg.stats, name="ulysses_qkv")
+    return seq_to_heads(cfg.axis, (q, k, v), splits, stats=cfg.stats, name="ulysses_qkv", trace=cfg.trace)
 
 
 def ulysses_forward(q, k, v, cfg: UlyssesConfig, sinks=None):
@@ -271,7 +294,8 @@ def ulysses_forward(q, k, v, cfg: UlyssesConfig, sinks=None):
     """
     qh, kh, vh = _qkv_to_heads(q, k, v, cfg)
     outh, lse = _local_forward(qh, kh, vh, cfg, _local_sinks(sinks, cfg))
-    (out,) = heads_to_seq(cfg.axis, (outh,), (cfg.q_split,), cfg.heads[:1], stats=cfg.stats, name="ulysses_out")
+    (out,) = heads_to_seq(cfg.axis, (outh,), (cfg.q_split,), cfg.heads[:1], stats=cfg.stats, name="ulysses_out",
+                          trace=cfg.trace)
     return out, (qh, kh, vh, outh, lse)
 
 
@@ -279,11 +303,11 @@ def ulysses_backward(dout, saved, cfg: UlyssesConfig, sinks=None):
     """``dout [B, c, Hq, D]`` -> ``dq [B, c, Hq, D]``, ``dk, dv [B, c, Hkv, D]`` in the input dtype,
     and ``ds [Hq]`` (this member's heads; zeros elsewhere) when ``sinks`` is given."""
     qh, kh, vh, outh, lse = saved
-    (douth,) = seq_to_heads(cfg.axis, (dout,), (cfg.q_split,), stats=cfg.stats, name="ulysses_dout")
+    (douth,) = seq_to_heads(cfg.axis, (dout,), (cfg.q_split,), stats=cfg.stats, name="ulysses_dout", trace=cfg.trace)
     grads = _local_backward(douth, qh, kh, vh, outh, lse, cfg)
     splits = (cfg.q_split, cfg.kv_split, cfg.kv_split)
     heads = (cfg.heads[0], cfg.heads[1], cfg.heads[1])
-    dq, dk, dv = heads_to_seq(cfg.axis, grads, splits, heads, stats=cfg.stats, name="ulysses_dqkv")
+    dq, dk, dv = heads_to_seq(cfg.axis, grads, splits, heads, stats=cfg.stats, name="ulysses_dqkv", trace=cfg.trace)
     ds = None
     if sinks is not None:
         me = cfg.axis.rank
@@ -323,7 +347,9 @@ class UlyssesAttention(torch.autograd.Function):
         if cfg.stats is not None:
             cfg.stats.phase = "bwd"
         *saved, sinks = ctx.saved_tensors
+        begin(cfg.trace, "attention bwd")
         dq, dk, dv, ds = ulysses_backward(dout.contiguous(), saved, cfg, sinks if ctx.needs_input_grad[3] else None)
+        end(cfg.trace, "attention bwd")
         if cfg.stats is not None:
             cfg.stats.phase = "fwd"
         return dq, dk, dv, ds, None
@@ -343,7 +369,7 @@ def ulysses_config(axis: GroupInfo, q, k, call, ring: RingConfig | None = None, 
     return UlyssesConfig(axis=axis, q_split=q_split, kv_split=kv_split,
                          segments=gqa_segments(q_split, kv_split, hq // hkv, axis.rank), heads=(hq, hkv),
                          causal=call.causal, scale=call.scale, backend=call.backend, stats=call.stats, ring=ring,
-                         packed=packed, window=window)
+                         packed=packed, window=window, trace=call.trace)
 
 
 def run_ulysses(q, k, v, call) -> torch.Tensor:

@@ -73,7 +73,7 @@ def run_usp(q, k, v, call) -> torch.Tensor:
                       "the result as group=", stacklevel=3)
         axes = make_usp_groups(axes)
     ring = RingConfig(info=axes.ring, plan=plan, scale=call.scale, backend=call.backend,
-                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats)
+                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, trace=call.trace)
     return UlyssesAttention.apply(q, k, v, call.sinks, ulysses_config(axes.ulysses, q, k, call, ring=ring))
 
 

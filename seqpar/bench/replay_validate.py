@@ -1,0 +1,156 @@
+"""The replay against real runs on this machine (benchmarks/results/replay_validation.md).
+
+:func:`calibrate_link` fits the 2-rank point-to-point link of this machine with a ping-pong (both
+ranks send and receive at once, as a ring step does): ``t = latency + bytes / bandwidth``.
+:func:`run_case` runs one method on N local gloo ranks (one torch thread each, the bench's inputs
+and call), timing every repeat's wall-clock step (the slowest rank's forward+backward) and
+recording every repeat's trace. :func:`validate` replays each repeat's traces with their CPU
+times on that link (:data:`CPU`-style machine: host work kept) and compares with the measured
+step; on N ranks sharing fewer cores it reports the replayed efficiency against the replayed
+one-rank run, which thread CPU times make independent of how the cores were shared.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from seqpar.comm import TokenRingGroups
+from seqpar.comm.pool import LocalRanks
+from seqpar.tracing import Trace, trace
+
+from .core import _TWO_WAY, BenchCase, _call, _inputs
+from .machine import Machine
+from .replay import replay
+
+PINGPONG_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+
+
+def _pingpong_on_rank(sizes, repeats: int) -> list[float]:
+    """Median seconds of one exchange of each size between ranks 0 and 1 (both directions at once)."""
+    torch.set_num_threads(1)
+    peer = 1 - dist.get_rank()
+    out = []
+    for size in sizes:
+        send, recv = torch.zeros(size // 4), torch.empty(size // 4)
+        times = []
+        for _ in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            works = [dist.isend(send, peer), dist.irecv(recv, peer)]
+            for w in works:
+                w.wait()
+            times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times[1:]))
+    return out
+
+
+def calibrate_link(ranks: LocalRanks, sizes=PINGPONG_BYTES, repeats: int = 7) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of this machine's 2-rank link, by least squares on the ping-pong."""
+    per_rank = ranks.run(_pingpong_on_rank, 2, sizes, repeats, timeout=600)
+    t = np.maximum(per_rank[0], per_rank[1])
+    slope, lat = np.polyfit(np.asarray(sizes, float), t, 1)
+    return 1.0 / max(slope, 1e-15), max(float(lat), 0.0)
+
+
+def cpu_machine(bandwidth: float, latency: float, name: str = "this machine") -> Machine:
+    """Traced CPU times and host work, every rank its own port (one node)."""
+    return Machine(name, "local gloo ranks, link from a ping-pong", ranks_per_node=1 << 20, intra_bw=bandwidth,
+                   inter_bw=bandwidth, intra_lat=latency, inter_lat=latency, kernels=None, host=True)
+
+
+def _case_on_rank(case: BenchCase, repeats: int, warmup: int) -> list[tuple[float, dict]]:
+    """Every repeat's (this rank's fwd+bwd wall seconds, trace) of ``case`` (the bench's call)."""
+    from seqpar.layouts import shard
+
+    torch.set_num_threads(case.threads)
+    group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local = [shard(t, method=case.method, group=group) for t in _inputs(case, torch.device("cpu"))]
+    comm = TokenRingGroups(group) if group is not None and case.method in _TWO_WAY else None
+    out = []
+    for i in range(warmup + repeats):
+        rec = Trace(rank=rank, world_size=case.world_size, meta={"method": case.method,
+                                                                 "world_size": case.world_size})
+        with trace(rec):
+            _, fwd_ms, bwd_ms = _call(case, local, group, comm=comm)
+        if i >= warmup:
+            out.append(((fwd_ms + bwd_ms) * 1e-3, rec.to_dict()))
+    if comm is not None:
+        comm.destroy()
+    return out
+
+
+def run_case(ranks: LocalRanks, case: BenchCase, repeats: int = 3, warmup: int = 1) -> tuple[list, list]:
+    """(measured steps: the slowest rank per repeat, traces: per repeat the list of every rank's)."""
+    per_rank = ranks.run(_case_on_rank, case.world_size, case, repeats, warmup, timeout=3600)
+    steps = [max(per_rank[r][i][0] for r in range(case.world_size)) for i in range(repeats)]
+    traces = [[per_rank[r][i][1] for r in range(case.world_size)] for i in range(repeats)]
+    return steps, traces
+
+
+def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalRanks, repeats: int = 3,
+             warmup: int = 1, ideal: bool = False) -> list[dict]:
+    """One row per method: measured and replayed step (medians over repeats), their error,
+    ``efficiency_own`` (the ranks' mean traced busy time over the replayed step: the schedule's
+    imbalance, exposed communication and waiting, measured against the same run's own work), and
+    with ``ideal`` the replayed efficiency against a replayed one-rank run (its step / N / the step)."""
+    rows = []
+    for meth in methods:
+        case = BenchCase(meth, world_size=world_size, **shape)
+        measured, traces = run_case(ranks, case, repeats, warmup)
+        results = [replay(tr, m, expect={"method": meth, "world_size": world_size}) for tr in traces]
+        replayed = [r.step_s for r in results]
+        # the same run's traced work, perfectly divided: mean busy (compute + host) time over the step
+        own = [statistics.mean(x.compute_s + x.host_s for x in r.ranks) / r.step_s for r in results]
+        row = {"method": meth, "world_size": world_size, **shape, "measured_s": statistics.median(measured),
+               "replayed_s": statistics.median(replayed), "measured_all": measured, "replayed_all": replayed,
+               "efficiency_own": statistics.median(own)}
+        row["error"] = row["replayed_s"] / row["measured_s"] - 1
+        if ideal:
+            one_case = BenchCase(meth, world_size=1, **shape)
+            _, one = run_case(ranks, one_case, repeats, warmup)
+            t1 = statistics.median(replay(tr, m).step_s for tr in one)
+            row["replayed_one_s"] = t1
+            row["efficiency"] = t1 / world_size / row["replayed_s"]
+        rows.append(row)
+    return rows
+
+
+def tracing_overhead(ranks: LocalRanks, case: BenchCase, repeats: int = 5) -> dict:
+    """Steps with and without tracing, interleaved repeat by repeat (medians): wall clock (the
+    slowest rank) and this thread's CPU time (the busiest rank; insensitive to other jobs)."""
+    per_rank = ranks.run(_overhead_on_rank, case.world_size, case, repeats, timeout=3600)
+    out = {}
+    for k, name in enumerate(("wall", "cpu")):
+        on = statistics.median(max(r[i][2 * k] for r in per_rank) for i in range(repeats))
+        off = statistics.median(max(r[i][2 * k + 1] for r in per_rank) for i in range(repeats))
+        out.update({f"traced_{name}_s": on, f"untraced_{name}_s": off, f"overhead_{name}": on / off - 1})
+    out["overhead"] = out["overhead_wall"]
+    return out
+
+
+def _overhead_on_rank(case: BenchCase, repeats: int) -> list[tuple[float, float, float, float]]:
+    from seqpar.layouts import shard
+
+    torch.set_num_threads(case.threads)
+    group = dist.group.WORLD
+    local = [shard(t, method=case.method, group=group) for t in _inputs(case, torch.device("cpu"))]
+    _call(case, local, group)
+    out = []
+    for _ in range(repeats):
+        c0 = time.thread_time()
+        with trace(Trace()):
+            _, f1, b1 = _call(case, local, group)
+        c1 = time.thread_time()
+        _, f0, b0 = _call(case, local, group)
+        c2 = time.thread_time()
+        out.append(((f1 + b1) * 1e-3, (f0 + b0) * 1e-3, c1 - c0, c2 - c1))
+    return out
+
+
+__all__ = ["calibrate_link", "cpu_machine", "run_case", "tracing_overhead", "validate"]
