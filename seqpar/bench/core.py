@@ -30,12 +30,12 @@ from seqpar.comm.launch import launched_by_torchrun as launched
 from seqpar.comm.launch import launched_process_group
 from seqpar.comm.launch import progress_track as _progress
 from seqpar.comm.pool import LocalRanks
+from seqpar.comm.usp_groups import default_ulysses_degree
 from seqpar.kernels.linear_chunk import (
     CHUNK as LINEAR_CHUNK,  # the chunk of the linear kernels
 )
 from seqpar.layouts import packed_layout, shard, unshard
 from seqpar.linear import linear_attention
-from seqpar.comm.usp_groups import default_ulysses_degree
 from seqpar.methods import LINEAR_METHODS, head_imbalance
 from seqpar.methods import method as declared
 from seqpar.softmax import attention

@@ -31,7 +31,6 @@ import sys
 from pathlib import Path
 
 from seqpar.methods import DECLARED
-
 from seqpar.softmax.plans import WIRES
 
 from .machine import Machine

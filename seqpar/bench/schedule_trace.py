@@ -22,7 +22,7 @@ from seqpar.kernels.linear_chunk import CHUNK
 from seqpar.linear.plans import resolve_plan
 from seqpar.methods import method as declared
 from seqpar.methods import ring_method
-from seqpar.softmax.executor import indexed_moves, message_tag
+from seqpar.softmax.messages import indexed_moves, message_tag
 from seqpar.softmax.plans import PAYLOADS, WIRES
 from seqpar.softmax.registry import dense_plan
 from seqpar.softmax.tracebook import RunBook, block_event

@@ -40,7 +40,8 @@ from ..kernels import block_backward, block_forward, merge_, new_accumulator
 from ..kernels.varlen import varlen_backward, varlen_forward
 from ..tracing import Trace, begin, end
 from .checkpoint import active_tape
-from .plans import FOLD, OPERANDS, PAYLOADS, WIRES, Move, RingPlan, Schedule, Task, Wire
+from .messages import indexed_moves, last_use, message_tag
+from .plans import FOLD, OPERANDS, WIRES, Move, RingPlan, Schedule, Task, Wire
 from .sinks import apply_sinks, sinks_grad
 from .tracebook import RunBook, block_span
 
@@ -71,14 +72,6 @@ class RingConfig:
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def message_tag(what: str, part: int, index: int = 0) -> int:
-    """Each payload (and each tensor of it) is its own message stream between two ranks, so two
-    payloads crossing the same link in one step can never be matched with each other; ``index``
-    numbers the row ranges of one payload sent to one peer in one step (in order of their rows,
-    the same on both sides), so that they do not either."""
-    return 16 * index + 4 * PAYLOADS.index(what) + part
 
 
 def _narrow(x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -346,28 +339,6 @@ class _Run:
             self.add("dkv", task.kv, b.kv, (gk, gv))
 
 
-def indexed_moves(moves) -> list:
-    """Each move with its index among the step's moves of the same payload, peer, direction and
-    channel, in order of their rows (both ends of a message count the same way)."""
-    seen: dict = {}
-    index = [0] * len(moves)
-    for i in sorted(range(len(moves)), key=lambda i: moves[i].rows.start):
-        key = (moves[i].what, moves[i].peer, moves[i].send, moves[i].channel)
-        index[i] = seen[key] = seen.get(key, -1) + 1
-    return list(zip(moves, index))
-
-
-def _last_use(sched: Schedule) -> dict:
-    last = {}
-    for i, step in enumerate(sched.steps):
-        for t in step.tasks:
-            last[("q", t.q)] = last[("kv", t.kv)] = i
-        for m in step.moves:
-            if m.send and m.what in OPERANDS:
-                last[(m.what, m.owner)] = i
-    return last
-
-
 def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
     """Run this rank's schedule. Forward (``dout`` None): returns ``(out, lse)`` of the local rows,
     fp32 accumulators. Backward: returns fp32 ``(dq, dk, dv)`` of the local shard."""
@@ -385,7 +356,7 @@ def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
                 run.held[("kv", (j - info.rank) % info.size)] = [_Held(0, {"k": kv_all[j][0], "v": kv_all[j][1]})]
                 if run.book is not None:
                     run.book.gathered(("kv", (j - info.rank) % info.size), cfg.trace.last_id)
-    last = _last_use(sched)
+    last = last_use(sched)
     for i, step in enumerate(sched.steps):
         posted = run.post(step.moves)
         for task in step.tasks:
