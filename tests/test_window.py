@@ -19,8 +19,12 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
+from dist_utils import FP32_TOL, world
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from test_ring import expected_bytes
+from test_ulysses import ulysses_bytes
 
 import seqpar
 from seqpar.comm.usp_groups import make_usp_groups
@@ -33,10 +37,6 @@ from seqpar.softmax.reference import reference_attention
 from seqpar.softmax.registry import plan_builder
 from seqpar.softmax.window import ring_window_plan, zigzag_window_plan
 from seqpar.testing import run_distributed
-
-from dist_utils import FP32_TOL, world
-from test_ring import expected_bytes
-from test_ulysses import ulysses_bytes
 
 METHODS = tuple(m.name for m in DECLARED if m.softmax)
 
@@ -117,7 +117,7 @@ def seen(layout, T, n, a, b, window, causal, keys=True):
 def zigzag_rows(n, h, window, a, b):
     """docs/methods.md's closed form for zigzag, causal: key chunk kappa of b sends
     min(h, max(0, W - 1 - (m - 1) h)) rows, m = chunks from kappa to the nearest later chunk of a."""
-    chunks = lambda r: (r, 2 * n - 1 - r)  # noqa: E731
+    chunks = lambda r: (r, 2 * n - 1 - r)
     total = 0
     for kappa in chunks(b):
         after = [c - kappa for c in chunks(a) if c > kappa]
@@ -175,7 +175,7 @@ def expected_window_bytes(method, n, r, T, B, hq, hkv, d, window, causal):
     if method == "allgather_kv":  # gathers whole shards: its bytes do not fall with W
         return expected_bytes(method, n, B, T // n, hkv, d, 4)
     if method == "ulysses":  # the local attention takes the window; the all-to-alls do not change
-        return (ulysses_bytes(n, r, B, T // n, hq, hkv, d, 4),) * 2
+        return ulysses_bytes(n, r, B, T // n, hq, hkv, d, 4)
     if method == "lightseq" and causal:
         return lightseq_bytes(n, r, T, B, hq, hkv, d, window)
     return window_bytes(method, n, r, T, B, hq, hkv, d, window, causal)
@@ -191,13 +191,14 @@ def test_zigzag_closed_form_matches_the_definition():
 # ----------------------------------------------------------------------------- exactness on ranks
 
 
-def _reference(glob, causal, window, cu=None):
+def _reference(glob, causal, window, cu=None, sinks=None):
     q, k, v = (t.double().clone().requires_grad_() for t in glob[:3])
+    s = None if sinks is None else sinks.detach().double().clone().requires_grad_()
     docs = [(0, q.shape[1])] if cu is None else list(zip(cu, cu[1:]))
-    out = torch.cat([reference_attention(q[:, a:b], k[:, a:b], v[:, a:b], causal=causal, window=window)
+    out = torch.cat([reference_attention(q[:, a:b], k[:, a:b], v[:, a:b], causal=causal, window=window, sinks=s)
                      for a, b in docs], dim=1)
     out.backward(glob[3].double())
-    return out.detach(), q.grad, k.grad, v.grad
+    return (out.detach(), q.grad, k.grad, v.grad) + (() if s is None else (s.grad,))
 
 
 def _err(got, ref):
@@ -211,7 +212,7 @@ def _batch(method, cases, ulysses_degree):
     rank, n = world()
     kw = {"group": make_usp_groups(None, ulysses_degree), "ring_method": "zigzag_ring"} if method == "usp" else {}
     results = []
-    for causal, window, T, lens, (hq, hkv, d) in cases:
+    for causal, window, T, lens, (hq, hkv, d), with_sinks in cases:
         gen = torch.Generator().manual_seed(T * 7 + window)
         extra, B, cu = {}, 2, None
         if lens is not None:
@@ -220,11 +221,18 @@ def _batch(method, cases, ulysses_degree):
         glob = [torch.randn(B, T, h, d, generator=gen) for h in (hq, hkv, hkv, hq)]
         local = [seqpar.shard(t, method=method, **kw, **extra) for t in glob]
         ql, kl, vl = (t.requires_grad_() for t in local[:3])
+        # sinks (logits of the scores' order) with a window: applied after the merge, bytes unchanged
+        sinks = (torch.randn(hq, generator=gen) * 2).requires_grad_() if with_sinks else None
         stats = seqpar.CommStats()
-        out = seqpar.attention(ql, kl, vl, method=method, causal=causal, window=window, stats=stats, **kw, **extra)
+        out = seqpar.attention(ql, kl, vl, method=method, causal=causal, window=window, stats=stats, sinks=sinks,
+                               **kw, **extra)
         out.backward(local[3])
         got = [seqpar.unshard(t, method=method, **kw, **extra) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
-        errs = [_err(a, b) for a, b in zip(got, _reference(glob, causal, window, cu))]
+        if sinks is not None:  # each rank holds its share of ds: the whole gradient is their sum
+            ds = sinks.grad.clone()
+            dist.all_reduce(ds)
+            got.append(ds)
+        errs = [_err(a, b) for a, b in zip(got, _reference(glob, causal, window, cu, sinks))]
         results.append({"case": (causal, window, T, lens), "errs": errs, "fwd": stats.total("fwd"),
                         "bwd": stats.total("bwd")})
     return results
@@ -233,17 +241,20 @@ def _batch(method, cases, ulysses_degree):
 def _cases(n):
     heads = (6, 3, 16) if n == 3 else (4, 2, 16)  # Ulysses needs Hq divisible by N; GQA
     T = 10 * n  # shards of 10 tokens, zigzag chunks of 5
-    dense = [(True, w, T, None, heads) for w in (1, 3, 7, T - 1, T)] + \
-            [(False, w, T, None, heads) for w in (1, 7, T + 5)]
+    # (causal, window, T, packed lengths, heads, sinks): sinks with a window in both forms, dense and packed
+    dense = [(True, w, T, None, heads, w == 7) for w in (1, 3, 7, T - 1, T)] + \
+            [(False, w, T, None, heads, w == 7) for w in (1, 7, T + 5)]
     lens = [1, 13, 6, 29, 2]  # documents shorter than W, of length 1, odd
-    packed = [(True, w, 0, lens, heads) for w in (1, 4, 9, 40)] + [(False, w, 0, lens, heads) for w in (4, 9)]
+    packed = [(True, w, 0, lens, heads, w == 9) for w in (1, 4, 9, 40)] + \
+        [(False, w, 0, lens, heads, w == 9) for w in (4, 9)]
     return dense + packed
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("method", METHODS)
 def test_window_exact(method, n):
-    """fp32 forward and every gradient against float64, dense and packed, causal and symmetric."""
+    """fp32 forward and every gradient against float64, dense and packed, causal and symmetric, with
+    attention sinks in four of the cases (ds against float64 too)."""
     res = run_distributed(_batch, n, method, _cases(n), 2 if n == 4 else 1, timeout=300)
     heads = _cases(n)[0][4]
     for rank, results in enumerate(res):
