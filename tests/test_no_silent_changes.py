@@ -24,7 +24,7 @@ import os
 
 import pytest
 
-from seqpar.bench.simulate import simulate_main
+from seqpar.bench.simulate_cli import main as simulate_main
 from seqpar.bench.suite import expand_matrix
 from seqpar.schedulers import ClusterSpec, CostModel, fit_to_cluster, sample_lengths
 from seqpar.schedulers.calibration import load_calibration, save_calibration

@@ -64,7 +64,7 @@ def _methods(text: str) -> list[str]:
 def _shape(args, methods) -> tuple[Shape, list[int]]:
     sizes = parse_lengths(args.world_sizes, "--world-sizes") if args.world_sizes else list(DEFAULT_WORLD_SIZES)
     linear = all(m in LINEAR_METHODS for m in methods)
-    kv = args.kv_heads or (args.heads if linear else 8)
+    kv = args.kv_heads if args.kv_heads is not None else (args.heads if linear else 8)  # 0 is an error, not "default"
     for name, v in (("--batch", args.batch), ("--heads", args.heads), ("--kv-heads", kv),
                     ("--head-dim", args.head_dim)):
         if v < 1:
@@ -72,15 +72,22 @@ def _shape(args, methods) -> tuple[Shape, list[int]]:
     if args.heads % kv:
         raise ValueError(f"--kv-heads={kv} must divide --heads={args.heads}")
     if args.tokens_per_rank:
-        (per,) = parse_lengths(args.tokens_per_rank, "--tokens-per-rank")
+        per = _one_length(args.tokens_per_rank, "--tokens-per-rank")
         if len(sizes) != 1:
             raise ValueError("--tokens-per-rank: give one --world-sizes value (or use --seq-len)")
         seq = per * sizes[0]
     else:
-        (seq,) = parse_lengths(args.seq_len or "128k", "--seq-len")
+        seq = _one_length(args.seq_len or "128k", "--seq-len")
     e = _DTYPES[args.dtype]
     return Shape(seq, args.batch, args.heads, kv, args.head_dim, args.causal == "yes", e, 4,
                  4 if args.grad_comm == "fp32" else e), sizes
+
+
+def _one_length(text: str, flag: str) -> int:
+    lengths = parse_lengths(text, flag)
+    if len(lengths) != 1:
+        raise ValueError(f"{flag}: one length, got {text!r} ({len(lengths)} lengths)")
+    return lengths[0]
 
 
 def print_table(rows: list[dict], title: str) -> None:

@@ -166,20 +166,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     crashes or times out during the call.
     """
     arguments = dict(locals())  # every parameter: the rank agreement covers an option added later too
-    trace = resolve(trace)
+    return _attend(q, k, v, arguments)
+
+
+def _attend(q, k, v, arguments: dict) -> torch.Tensor:
+    """:func:`attention` once its arguments are captured: agreement (unless off), checks, runner."""
+    trace = resolve(arguments["trace"])
     begin(trace, "attention fwd")
-    opts = dict(group=group, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                backend=backend, stats=stats, grad_comm_dtype=grad_comm_dtype, ulysses_degree=ulysses_degree,
-                ring_method=ring_method, window=window, sinks=sinks)
+    opts = {name: arguments[name] for name in ("group", "method", "causal", "softmax_scale", "cu_seqlens", "backend",
+                                               "stats", "grad_comm_dtype", "ulysses_degree", "ring_method", "window",
+                                               "sinks")}
+    group, method = opts["group"], opts["method"]
     tape = active_tape()
-    if not check_ranks_enabled(check_ranks) or (tape is not None and tape.replaying):
+    if not check_ranks_enabled(arguments["check_ranks"]) or (tape is not None and tape.replaying):
         # (a checkpoint's recomputation replays a call whose arguments the forward checked; the tape
         # verifies that the shapes are the same)
         call = _prepare(q, k, v, same_offsets_check=tape is None or not tape.replaying, **opts)
     else:
         # the fingerprint carries cu_seqlens: no separate offsets gather
-        call = agreed(agreement_groups(group, usp=method == "usp", ulysses_degree=ulysses_degree), "seqpar.attention",
-                      _fingerprint(arguments), lambda: _prepare(q, k, v, same_offsets_check=False, **opts),
+        call = agreed(agreement_groups(group, usp=method == "usp", ulysses_degree=opts["ulysses_degree"]),
+                      "seqpar.attention", _fingerprint(arguments),
+                      lambda: _prepare(q, k, v, same_offsets_check=False, **opts),
                       device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
     out = FAMILIES[call.spec.family](q.contiguous(), k.contiguous(), v.contiguous(), replace(call, trace=trace))
     end(trace, "attention fwd")
