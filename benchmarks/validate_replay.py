@@ -92,6 +92,8 @@ def main(argv=None) -> int:
     result["summary"] = summarize(result, methods, [int(x) for x in args.world_sizes_b.split(",")])
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1, default=float)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as fh:
+        fh.write(markdown(result, methods, [int(x) for x in args.world_sizes_b.split(",")]))
     print(json.dumps(result["summary"], indent=1, default=float))
     return 0
 
@@ -99,19 +101,66 @@ def main(argv=None) -> int:
 def summarize(result: dict, methods, sizes) -> dict:
     runs = result["runs"]
     worst = max(abs(r["error"]) for run in runs for r in run["n2"])
-    spread, spread_one = {}, {}
+    spread, spread_one, spread_floor = {}, {}, {}
     for n in sizes:
         for meth in methods:
-            for key, into in (("efficiency_own", spread), ("efficiency", spread_one)):
-                effs = [next(r[key] for r in run[f"n{n}"] if r["method"] == meth) for run in runs]
+            for key, into in (("efficiency_own", spread), ("efficiency", spread_one),
+                              ("efficiency_floor", spread_floor)):
+                effs = [next(r.get(key, float("nan")) for r in run[f"n{n}"] if r["method"] == meth) for run in runs]
                 into[f"{meth} N={n}"] = (max(effs) - min(effs)) / statistics.mean(effs)
     return {"n2_max_abs_error": worst, "n2_within_10pct": worst <= 0.10,
             "n2_max_abs_error_per_run": [max(abs(r["error"]) for r in run["n2"]) for run in runs],
             "efficiency_max_spread": max(spread.values()), "spread_within_3pct": max(spread.values()) <= 0.03,
             "spread": spread, "one_rank_efficiency_max_spread": max(spread_one.values()),
-            "spread_against_one_rank": spread_one, "loads": [(run["load_before"], run["load_after"]) for run in runs],
+            "spread_against_one_rank": spread_one, "floor_efficiency_max_spread": max(spread_floor.values()),
+            "spread_floor": spread_floor, "loads": [(run["load_before"], run["load_after"]) for run in runs],
             "tracing_overhead_wall": [run["overhead"]["overhead_wall"] for run in runs],
             "tracing_overhead_cpu": [run["overhead"]["overhead_cpu"] for run in runs]}
+
+
+def markdown(result: dict, methods, sizes) -> str:
+    """The results page: (a) errors per run, (b) efficiencies per run and spreads, (c) overhead."""
+    runs, summ, sh = result["runs"], result["summary"], result["shape"]
+    lines = ["# The replay against real runs on this machine", "",
+             f"`{result['command']}`; {result['machine']['cpus']} cores, {result['machine']['platform']}, "
+             f"torch {result['versions']['torch']}, seqpar {result['versions']['seqpar']}. Shape: T = "
+             f"{sh['seq_len']}, {sh['heads']} heads, D = {sh['head_dim']}, fp32, causal, forward+backward, one "
+             f"thread per rank. Link (ping-pong, once): {result['link']['bandwidth'] / 1e9:.2f} GB/s, "
+             f"{result['link']['latency'] * 1e6:.0f} us. Loads (1-min average) before/after each run: "
+             + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in summ["loads"]) + ".", "",
+             "## (a) N = 2: replayed (traced CPU times, ping-pong link) against measured wall-clock steps", "",
+             "| method | " + " | ".join(f"run {r['run']}: measured ms / replayed ms / error" for r in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    for meth in methods:
+        cells = []
+        for run in runs:
+            row = next(r for r in run["n2"] if r["method"] == meth)
+            cells.append(f"{row['measured_s'] * 1e3:.0f} / {row['replayed_s'] * 1e3:.0f} / {row['error']:+.1%}")
+        lines.append(f"| {meth} | " + " | ".join(cells) + " |")
+    lines += ["", f"Largest |error|: {summ['n2_max_abs_error']:.1%} (per run: "
+              + ", ".join(f"{e:.1%}" for e in summ["n2_max_abs_error_per_run"]) + "; target 10%).", "",
+              "## (b) N = 4 and 8 on 2 cores: replayed efficiency per run and its spread", "",
+              "`efficiency`: the replayed one-rank step / N / the replayed step (each repeat's traces, median); "
+              "`floor`: the same from the per-segment minimum over the repeats (`floor_traces`); `own`: the ranks' "
+              "mean traced busy time over the replayed step. Spread = (max - min) / mean over the runs.", "",
+              "| method | N | efficiency per run | spread | floor per run | spread | own per run | spread |",
+              "|---|---|---|---|---|---|---|---|"]
+    for n in sizes:
+        for meth in methods:
+            rows = [next(r for r in run[f"n{n}"] if r["method"] == meth) for run in runs]
+            key = f"{meth} N={n}"
+            cols = []
+            for field, spread in (("efficiency", summ["spread_against_one_rank"]), ("efficiency_floor",
+                                  summ["spread_floor"]), ("efficiency_own", summ["spread"])):
+                cols.append(" / ".join(f"{r.get(field, float('nan')):.3f}" for r in rows))
+                cols.append(f"{spread[key]:.1%}")
+            lines.append(f"| {meth} | {n} | " + " | ".join(cols) + " |")
+    lines += ["", f"Largest spread: efficiency {summ['one_rank_efficiency_max_spread']:.1%}, floor "
+              f"{summ['floor_efficiency_max_spread']:.1%}, own {summ['efficiency_max_spread']:.1%} (target 3%).", "",
+              "## (c) Tracing overhead (zigzag_ring, N = 2, traced and untraced steps interleaved)", "",
+              "Wall clock: " + ", ".join(f"{x:+.1%}" for x in summ["tracing_overhead_wall"]) + "; thread CPU time: "
+              + ", ".join(f"{x:+.1%}" for x in summ["tracing_overhead_cpu"]) + " (target 5%).", ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -236,3 +236,23 @@ def test_exports(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["otherData"]["step_s"] == res.step_s
     write_timeline_png(res, tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_floor_of_repeats_takes_each_segments_least_disturbed_time():
+    from seqpar.bench.replay_validate import floor_traces
+
+    def one(host_ms, compute_ms):  # begin, host work, a kernel, host work, end: one rank
+        r = _T(0, 1)
+        r.events.append({"id": 0, "type": "begin", "phase": "fwd", "t": 0, "w": 0, "name": "attention fwd"})
+        r.compute(compute_ms)
+        r.events[-1]["t"] = int(host_ms[0] * 1e6)
+        end = r.events[-1]["t"] + r.events[-1]["cpu"] + int(host_ms[1] * 1e6)
+        r.events.append({"id": 2, "type": "end", "phase": "fwd", "t": end, "w": 0, "name": "attention fwd"})
+        return [r.dict()]
+
+    # the kernel was disturbed in the first repeat, the host work in the second: floor = 1 + 2 + 0.5 ms
+    floor = floor_traces([one((1.0, 0.5), 3.0), one((4.0, 0.9), 2.0)])
+    assert replay(floor, replace(CPU, host=True)).step_s == pytest.approx(3.5e-3)
+    other = one((1.0, 0.5), 2.0)
+    other[0]["events"].insert(1, dict(other[0]["events"][1], type="wait", ids=[]))
+    assert floor_traces([one((1.0, 0.5), 3.0), other]) is None  # different events: no floor

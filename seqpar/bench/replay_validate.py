@@ -93,12 +93,38 @@ def run_case(ranks: LocalRanks, case: BenchCase, repeats: int = 3, warmup: int =
     return steps, traces
 
 
+def floor_traces(repeats: list[list[dict]]) -> list[dict] | None:
+    """One trace per rank whose every compute time and host gap is the minimum over the repeats
+    (the repeats of one case record the same events in the same order): the least disturbed
+    estimate of each segment on shared cores, where another rank's work can only slow a segment
+    down (cache, frequency), never speed it up. None when the repeats' events differ."""
+    out = []
+    for rank_traces in zip(*repeats):
+        events = [t["events"] for t in rank_traces]
+        if any(len(e) != len(events[0]) or any(a["type"] != b["type"] for a, b in zip(e, events[0])) for e in events):
+            return None
+        floor, clock, last = [], 0, None
+        for i, ev in enumerate(events[0]):
+            gaps = [e[i]["t"] - (e[i - 1]["t"] + e[i - 1].get("cpu", 0) if e[i - 1]["type"] == "compute"
+                                 else e[i - 1]["t"]) if i else 0 for e in events]
+            clock = clock + max(0, min(gaps)) if last is not None else 0
+            ev = dict(ev, t=clock)
+            if ev["type"] == "compute":
+                ev["cpu"] = min(e[i]["cpu"] for e in events)
+                clock += ev["cpu"]
+            floor.append(ev)
+            last = ev
+        out.append(dict(rank_traces[0], events=floor))
+    return out
+
+
 def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalRanks, repeats: int = 3,
              warmup: int = 1, ideal: bool = False) -> list[dict]:
     """One row per method: measured and replayed step (medians over repeats), their error,
     ``efficiency_own`` (the ranks' mean traced busy time over the replayed step: the schedule's
     imbalance, exposed communication and waiting, measured against the same run's own work), and
-    with ``ideal`` the replayed efficiency against a replayed one-rank run (its step / N / the step)."""
+    with ``ideal`` the replayed efficiency against a replayed one-rank run (its step / N / the step),
+    also for the :func:`floor_traces` of the repeats (``efficiency_floor``)."""
     rows = []
     for meth in methods:
         case = BenchCase(meth, world_size=world_size, **shape)
@@ -117,6 +143,9 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
             t1 = statistics.median(replay(tr, m).step_s for tr in one)
             row["replayed_one_s"] = t1
             row["efficiency"] = t1 / world_size / row["replayed_s"]
+            floor, one_floor = floor_traces(traces), floor_traces(one)
+            if floor is not None and one_floor is not None:
+                row["efficiency_floor"] = replay(one_floor, m).step_s / world_size / replay(floor, m).step_s
         rows.append(row)
     return rows
 
