@@ -13,7 +13,6 @@ parameter gradient (summed over the context-parallel ranks), in fp32.
 from __future__ import annotations
 
 import copy
-import inspect
 
 import pytest
 import torch
@@ -314,15 +313,11 @@ def test_length_not_fitting_the_layout_says_how_to_pad():
 # ranks: 2 + 1 + 1); SEQPAR_SLOW=1 runs every model at N = 2, 3, 4, dense and packed, and gpt-oss
 # (windows and sinks) with every other method at N = 4.
 
-_HAS_WINDOW = "window" in inspect.signature(seqpar.attention).parameters
 _WINDOWED = ("mistral", "qwen2_window", "gemma3", "gemma2", "gpt_oss")
 
 
 def _layer_case(kind, n, packed, method="zigzag_ring"):
-    marks = [pytest.mark.xfail(strict=True, reason="seqpar.attention has no window= yet")] \
-        if kind in _WINDOWED and not _HAS_WINDOW else []
-    return pytest.param(kind, n, packed, method, marks=marks,
-                        id=f"{kind}-N{n}-{'packed' if packed else 'dense'}-{method}")
+    return pytest.param(kind, n, packed, method, id=f"{kind}-N{n}-{'packed' if packed else 'dense'}-{method}")
 
 
 def _run_layer_case(kind, n, packed, method):
