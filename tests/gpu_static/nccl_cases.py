@@ -9,6 +9,7 @@ benchmarks/gpu_static_nccl.py (every row, written to benchmarks/results/).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections import Counter
@@ -118,9 +119,10 @@ def _expect(t: torch.Tensor, shape, like: torch.Tensor | None = None) -> None:
 
 # ---------------------------------------------------------------------------------------- softmax
 def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = False, usp: str = "flat",
-                  window: int | None = None, hq: int = HQ, sinks: bool = False):
+                  window: int | None = None, hq: int = HQ, sinks: bool = False, traced: bool = False):
     """``window``: a sliding window; ``hq``: query heads (5: uneven Ulysses shards, uneven all-to-all
-    splits); ``sinks``: a CUDA ``[hq]`` sink tensor that needs a gradient."""
+    splits); ``sinks``: a CUDA ``[hq]`` sink tensor that needs a gradient; ``traced``: forward and
+    backward inside ``seqpar.trace`` (the recorder's hooks on the GPU path)."""
     def drive(run: RankRun) -> None:
         run.phase = "shard"
         group = _group(run, kind)
@@ -145,11 +147,14 @@ def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = Fals
                          for h in (hq, hkv, hkv, hq))
         s = _tensor(run, hq).requires_grad_() if sinks else None
         run.phase = "fwd"
-        out = seqpar.attention(q, k, v, method=method, causal=True, group=group, cu_seqlens=cu,
-                               check_ranks=check_ranks, window=window, sinks=s, **opts)
-        _expect(out, q.shape, q)
-        run.phase = "bwd"
-        out.backward(dout)  # the tape checks every gradient (ds too) against its input's shape and device
+        recorder = seqpar.Trace() if traced else None
+        with seqpar.trace(recorder) if traced else contextlib.nullcontext():
+            out = seqpar.attention(q, k, v, method=method, causal=True, group=group, cu_seqlens=cu,
+                                   check_ranks=check_ranks, window=window, sinks=s, **opts)
+            _expect(out, q.shape, q)
+            run.phase = "bwd"
+            out.backward(dout)  # the tape checks every gradient (ds too) against its input's shape and device
+        assert recorder is None or any(e["type"] == "compute" for e in recorder.events), "nothing was traced"
         run.phase = "unshard"
         _expect(seqpar.unshard(out, method=method, group=plain, cu_seqlens=cu, check_ranks=check_ranks, **opts),
                 (1, T, hq, D), q)
@@ -207,6 +212,9 @@ def softmax_cases() -> list[Case]:
         for packed in (False, True):
             cases.append(Case(m, "packed" if packed else "dense", "world, 5 heads, sinks",
                               softmax_drive(m, packed, "world", hq=5, sinks=True), ci=not packed, **_SOFTMAX))
+    for m in seqpar.METHODS:  # the trace recorder's hooks (compute spans, messages, collectives)
+        cases.append(Case(m, "dense", "world, traced", softmax_drive(m, False, "world", traced=True),
+                          ci=m in ("zigzag_ring", "ulysses"), **_SOFTMAX))
     return cases
 
 
