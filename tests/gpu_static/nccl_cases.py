@@ -219,7 +219,8 @@ def softmax_cases() -> list[Case]:
 
 
 # ----------------------------------------------------------------------------------------- linear
-def linear_drive(method: str, packed: bool, kind: str, check_ranks: bool = False, final_state: bool = False):
+def linear_drive(method: str, packed: bool, kind: str, check_ranks: bool = False, final_state: bool = False,
+                 traced: bool = False):
     def drive(run: RankRun) -> None:
         run.phase = "shard"
         group = _group(run, kind)
@@ -228,12 +229,15 @@ def linear_drive(method: str, packed: bool, kind: str, check_ranks: bool = False
         g = seqpar.shard(torch.nn.functional.logsigmoid(_tensor(run, 1, T, 2, D)), method=method, group=group)
         h0 = _tensor(run, 1, 2, D, D) if final_state else None
         run.phase = "fwd"
-        out, state = seqpar.linear_attention(q, k, v, g, group=group, method=method, initial_state=h0,
-                                             output_final_state=final_state, check_ranks=check_ranks,
-                                             cu_seqlens=[0, 10, 37, 64] if packed else None)
-        _expect(out, v.shape, v)
-        run.phase = "bwd"
-        out.backward(dout)
+        recorder = seqpar.Trace() if traced else None
+        with seqpar.trace(recorder) if traced else contextlib.nullcontext():
+            out, state = seqpar.linear_attention(q, k, v, g, group=group, method=method, initial_state=h0,
+                                                 output_final_state=final_state, check_ranks=check_ranks,
+                                                 cu_seqlens=[0, 10, 37, 64] if packed else None)
+            _expect(out, v.shape, v)
+            run.phase = "bwd"
+            out.backward(dout)
+        assert recorder is None or any(e["type"] == "compute" for e in recorder.events), "nothing was traced"
 
     return drive
 
@@ -254,6 +258,8 @@ def linear_cases() -> list[Case]:
         cases.append(Case(m, "dense", "world, check_ranks, states", linear_drive(m, False, "world", True, True),
                           ci=m == "zeco", **_LINEAR))
         cases.append(Case(m, "dense", "world", linear_drive(m, False, "world"), ci=m == "zeco", backend="gloo",
+                          **_LINEAR))
+        cases.append(Case(m, "dense", "world, traced", linear_drive(m, False, "world", traced=True), ci=m == "zeco",
                           **_LINEAR))
     return cases
 
