@@ -97,6 +97,16 @@ def test_cli_flags_and_outputs(tmp_path, capsys):
     assert "T=8192" in capsys.readouterr().out
 
 
+def test_softmax_and_linear_methods_together(tmp_path):
+    """Without --kv-heads, softmax methods take GQA (8 K,V heads) and linear ones kv heads = heads;
+    an explicit --kv-heads that linear attention cannot take stays an error."""
+    js = tmp_path / "rows.json"
+    assert main(["--world-sizes", "8", "--seq-len", "64k", "--methods", "zigzag_ring,zeco", "--json", str(js)]) == 0
+    kv = {r["method"]: r["kv_heads"] for r in json.loads(js.read_text())["rows"]}
+    assert kv == {"zigzag_ring": 8, "zeco": 32}
+    assert main(["--world-sizes", "8", "--methods", "zigzag_ring,zeco", "--kv-heads", "8"]) == 2
+
+
 def _bench_traces(path: str) -> None:
     from seqpar.bench.core import BenchCase, run_case_on_rank
 

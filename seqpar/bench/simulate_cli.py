@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 
 from seqpar.methods import ALL_METHODS, LINEAR_METHODS, METHODS
 from seqpar.schedulers.data import parse_lengths
@@ -157,6 +158,15 @@ def _exporter(directory: str, s: Shape, m, forward_only: bool):
     return on_result
 
 
+def _shapes(args, methods, s: Shape) -> list[tuple[list[str], Shape]]:
+    """The methods with the shape each runs: softmax ones with ``s``; linear ones, when mixed with
+    softmax ones and no --kv-heads was given, with kv heads = heads (linear attention has no GQA)."""
+    linear = [m for m in methods if m in LINEAR_METHODS]
+    if not linear or len(linear) == len(methods) or args.kv_heads is not None:
+        return [(methods, s)]
+    return [([m for m in methods if m not in LINEAR_METHODS], s), (linear, replace(s, kv_heads=s.heads))]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``seqpar simulate``; returns the exit status (2 for bad arguments)."""
     args = _parser().parse_args(argv)
@@ -164,10 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         methods = _methods(args.methods)
         s, sizes = _shape(args, methods)
         m = machine(args.profile, kernels=args.kernels)
-        rows = simulate(methods, sizes, s, m, forward_only=args.forward_only, traces_dir=args.traces,
-                        on_result=_exporter(args.trace, s, m, args.forward_only) if args.trace else None,
-                        progress=lambda meth, n, sec: print(f"  replayed {meth} on {n} ranks in {sec:.1f} s",
-                                                            file=sys.stderr, flush=True))
+        rows = []
+        for group, shape in _shapes(args, methods, s):  # linear methods keep kv heads = heads by default
+            rows += simulate(group, sizes, shape, m, forward_only=args.forward_only, traces_dir=args.traces,
+                             on_result=_exporter(args.trace, shape, m, args.forward_only) if args.trace else None,
+                             progress=lambda meth, n, sec: print(f"  replayed {meth} on {n} ranks in {sec:.1f} s",
+                                                                 file=sys.stderr, flush=True))
     except ValueError as exc:
         print(f"seqpar simulate: error: {exc}", file=sys.stderr)
         return 2
