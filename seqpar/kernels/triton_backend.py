@@ -84,7 +84,7 @@ class TritonBackend(Backend):
         if (q.is_cuda and q.dtype == torch.bfloat16
                 and torch.cuda.get_device_capability(q.device) < (8, 0)):
             return "bfloat16 needs compute capability >= 8.0"
-        from .triton_attention import refusal
+        from .triton_attention_host import refusal
 
         # Includes "no configuration fits the shared memory of sm_XX", per direction: a case whose
         # backward does not fit the device may still run its forward here.
