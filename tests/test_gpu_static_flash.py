@@ -134,6 +134,31 @@ def test_varlen_flash_path(release, dt, heads):
     assert contracts.calls == []
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_packed_calls_go_to_the_backend_with_caps_varlen(release, backward, monkeypatch):
+    """Packed calls are dispatched by capability, not by name: on a simulated sm_90 the first-ranked
+    backend serves them with its varlen kernel: flash-attn's where it is installed, seqpar's Triton
+    kernel (caps.varlen) where it is not; a forced non-varlen backend leaves them to block calls."""
+    pytest.importorskip("triton")
+    from seqpar.kernels import triton_target
+    from seqpar.kernels.varlen_packed import packed_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter ranks Triton last
+    # the simulated GPU's properties carry no shared-memory size: sm_90's own table entry
+    monkeypatch.setattr(triton_target, "device_target", lambda device: triton_target.Target.of(90))
+    with flash_attn_on_fake_gpu(release[1], release[0], (9, 0)):
+        q, k = cuda_tensor(1, 64, 4, 64, dtype=torch.bfloat16), cuda_tensor(1, 64, 2, 64, dtype=torch.bfloat16)
+        assert packed_backend(q, k, k, None, backward, True).name == "flash_attn"
+        assert packed_backend(q, k, k, "triton", backward, True).name == "triton"
+        assert packed_backend(q, k, k, "torch_cuda", backward, True) is None
+    no_flash = {"flash_attn": None, "flash_attn.flash_attn_interface": None}  # import raises ImportError
+    with fake_cuda((9, 0)), mock.patch.dict(sys.modules, no_flash):
+        q, k = cuda_tensor(1, 64, 4, 64, dtype=torch.bfloat16), cuda_tensor(1, 64, 2, 64, dtype=torch.bfloat16)
+        assert packed_backend(q, k, k, None, backward, True).name == "triton"
+        with pytest.raises(ValueError, match="backend='flash_attn' cannot serve this varlen block"):
+            packed_backend(q, k, k, "flash_attn", backward, True)
+
+
 def test_varlen_kernel_failure_falls_back(release):
     """flash-attn's varlen kernels fail to launch (automatic choice): one warning per direction,
     then the per-segment path (flash-attn's dense kernels here) serves; forcing still raises."""

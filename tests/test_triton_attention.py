@@ -452,3 +452,99 @@ def test_dispatch_window_band_natively(band):
     grads = block_backward(dout, q, k, v, out, lse, scale=0.2, mask=band, backend="triton")
     for name, got, ref in zip("qkv", grads, ref_grads(q, k, v, vis, dout, 0.2)):
         _close("d" + name, got, ref, torch.float32)
+
+
+# ----------------------------------------------------------------- packed and accumulate dispatch
+
+
+def _spy(monkeypatch, name):
+    """Record the calls of TritonBackend.<name> (the test fails where the method does not exist)."""
+    from seqpar.kernels.triton_backend import TritonBackend
+
+    calls, real = [], getattr(TritonBackend, name)
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TritonBackend, name, spy)
+    return calls
+
+
+def _segments_visible(segments, tq, tk):
+    """[tq, tk] bool: the union of every segment's mask (top-left inside the segment)."""
+    from seqpar.kernels.masks import as_band
+
+    vis = torch.zeros(tq, tk, dtype=torch.bool)
+    for s in segments.segments:
+        band = as_band(s.mask)
+        for i in range(s.q_len):
+            for j in range(s.k_len):
+                vis[s.q_start + i, s.k_start + j] |= band.sees(i, j)
+    return vis.to(DEV)
+
+
+@pytest.mark.parametrize("layout", ["disjoint_rows", "shared_rows"])
+def test_varlen_dispatch_runs_the_triton_packed_kernels(monkeypatch, layout):
+    """varlen_forward / varlen_backward with backend="triton" launch the Triton varlen kernels
+    (caps.varlen: causal, none and flash-style window documents, bottom-right aligned) and equal a
+    float64 reference; where the calls' rows are disjoint the kernel merges into the accumulator."""
+    from seqpar.kernels import Band, VarlenSegments, new_accumulator, varlen_backward, varlen_forward
+
+    docs = [(0, 9, 0, 9, "causal"), (9, 14, 9, 14, Band(-4, 0)), (23, 17, 23, 17, "none")]
+    if layout == "shared_rows":  # rows 9:40 also see earlier documents' keys: calls share rows
+        docs += [(9, 14, 0, 9, "causal_strict"), (23, 17, 0, 9, Band(-12, -2)), (23, 17, 9, 14, Band(-6, None))]
+    segs = VarlenSegments.build(docs, tq=40, tk=40)
+    fwd, bwd = _spy(monkeypatch, "varlen_forward"), _spy(monkeypatch, "varlen_backward")
+    gen = torch.Generator().manual_seed(5)
+    q, dout = _rand(1, 40, 4, 16, gen=gen), _rand(1, 40, 4, 16, gen=gen)
+    k, v = _rand(1, 40, 2, 16, gen=gen), _rand(1, 40, 2, 16, gen=gen)
+    vis = _segments_visible(segs, 40, 40)
+    ro, rl = ref_attention(q, k, v, vis, 0.25)
+    out, lse = varlen_forward(q, k, v, segs, scale=0.25, backend="triton")
+    n = len(segs.packed_calls())
+    assert len(fwd) == n
+    _close("out", out, ro, torch.float32)
+    _close_lse(lse, rl, torch.float32)
+    acc = new_accumulator(q.shape, q.device)
+    got = varlen_forward(q, k, v, segs, scale=0.25, backend="triton", acc=acc)
+    assert got[0] is acc[0] and got[1] is acc[1]
+    # the kernel merges into gathered accumulator rows (its own fresh one without acc=) where no
+    # two calls share a row; else each call returns its (out, lse) and merge_ folds them
+    assert [c["acc"] is not None for c in fwd] == [layout == "disjoint_rows"] * 2 * n
+    _close("acc out", acc[0], ro, torch.float32)
+    _close_lse(acc[1], rl, torch.float32)
+    grads = varlen_backward(dout, q, k, v, out, lse, segs, scale=0.25, backend="triton")
+    assert len(bwd) == n
+    for name, got, ref in zip("qkv", grads, ref_grads(q, k, v, vis, dout, 0.25)):
+        _close("d" + name, got, ref, torch.float32)
+
+
+@pytest.mark.parametrize("mask", ["causal", "causal_strict", "none", (-5, 0)])
+def test_block_forward_into_merges_in_the_triton_kernel(monkeypatch, mask):
+    """block_forward_into with backend="triton" (caps.accumulate) merges a block into running fp32
+    accumulators inside the kernel: equal to block_forward + merge_ and to the float64 reference of
+    both blocks; rows the block does not reach keep their values."""
+    from seqpar.kernels import Band, block_forward, block_forward_into, merge_, new_accumulator
+
+    mask = Band(*mask) if isinstance(mask, tuple) else mask
+    into = _spy(monkeypatch, "forward_into")
+    gen = torch.Generator().manual_seed(9)
+    q = _rand(1, 21, 4, 16, gen=gen)
+    k1, v1, k2, v2 = (_rand(1, n, 2, 16, gen=gen) for n in (7, 7, 17, 17))
+    acc = new_accumulator(q.shape, q.device)
+    merge_(*acc, *block_forward(q, k1, v1, scale=0.3, mask="none", backend="triton"))
+    want = tuple(x.clone() for x in acc)
+    merge_(*want, *block_forward(q, k2, v2, scale=0.3, mask=mask, backend="triton"))
+    assert block_forward_into(*acc, q, k2, v2, scale=0.3, mask=mask, backend="triton") is None
+    assert len(into) == 1
+    _close("acc out vs forward + merge_", acc[0], want[0], torch.float32)
+    _close_lse(acc[1], want[1], torch.float32)
+    vis2 = visible(21, 17, mask) if isinstance(mask, str) else \
+        torch.tensor([[mask.sees(i, j) for j in range(17)] for i in range(21)]).to(DEV)
+    vis = torch.cat([torch.ones(21, 7, dtype=torch.bool, device=DEV), vis2], dim=1)
+    ro, rl = ref_attention(q, torch.cat([k1, k2], 1), torch.cat([v1, v2], 1), vis, 0.3)
+    _close("acc out", acc[0], ro, torch.float32)
+    _close_lse(acc[1], rl, torch.float32)
+    with pytest.raises(ValueError, match="acc_out must be a torch.float32 tensor"):
+        block_forward_into(acc[0].double(), acc[1], q, k2, v2, scale=0.3, mask=mask, backend="triton")

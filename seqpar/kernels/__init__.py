@@ -26,6 +26,7 @@ from .dispatch import (
     available_backends,
     block_backward,
     block_forward,
+    block_forward_into,
     select_backend,
 )
 from .fallback import FAILED_KERNELS, KernelCase
@@ -47,6 +48,7 @@ __all__ = [
     "available_backends",
     "block_backward",
     "block_forward",
+    "block_forward_into",
     "check_qkv",
     "merge_",
     "new_accumulator",

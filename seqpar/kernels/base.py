@@ -141,6 +141,11 @@ class Capabilities:
     get ``window=Band``); otherwise dispatch cuts the window into plain
     ``none`` / ``causal`` pieces (:func:`~seqpar.kernels.masks.band_pieces`),
     some on reversed rows and keys, and merges them.
+    ``varlen``: serves packed calls (:meth:`Backend.varlen_forward` / :meth:`Backend.varlen_backward`
+    on one :class:`~seqpar.kernels.varlen.PackedCall`: documents given by ``cu_seqlens``, causal
+    documents square, flash-attn's bottom-right ``(left, right)`` windows).
+    ``accumulate``: merges a block into running fp32 accumulators inside its kernel
+    (:meth:`Backend.forward_into`, and ``acc=`` of :meth:`Backend.varlen_forward`).
     """
 
     devices: frozenset[str]
@@ -154,6 +159,8 @@ class Capabilities:
     preferred_dtypes: frozenset[torch.dtype] = frozenset()
     square_causal_only: bool = False
     window: bool = False
+    varlen: bool = False
+    accumulate: bool = False
 
 
 class Backend:
@@ -235,6 +242,27 @@ class Backend:
         ``out`` may be ``None`` when ``delta`` (``[B, Hq, Tq]`` fp32/fp64) is
         given; backends with ``caps.needs_out`` always get ``out``.
         """
+        raise NotImplementedError
+
+    def forward_into(self, acc_out, acc_lse, q, k, v, *, scale: float, causal: bool, window=None) -> None:
+        """Backends with ``caps.accumulate``: merge the reduced block's attention into ``acc_out``
+        ``[B, Tq, Hq, D]`` / ``acc_lse [B, Hq, Tq]`` (fp32, unit last stride) in place, as
+        :func:`~seqpar.kernels.merge.merge_` of :meth:`forward` would."""
+        raise NotImplementedError
+
+    def varlen_forward(self, q, k, v, call, cu_q, cu_k, *, scale: float, acc=None):
+        """Backends with ``caps.varlen``: one packed call on gathered streams ``q [Rq, Hq, D]``,
+        ``k``/``v [Rk, Hkv, D]`` (document ``b``: rows ``call.cu_q[b]:call.cu_q[b+1]`` against
+        ``call.cu_k[b]:call.cu_k[b+1]``; ``cu_q``/``cu_k`` the same offsets as int32 device tensors)
+        -> ``(out [Rq, Hq, D] q.dtype, lse [Hq, Rq] fp32)``. With ``acc=(acc_out [Rq, Hq, D],
+        acc_lse [Hq, Rq])`` fp32 (``caps.accumulate`` only): merge into them in place, return them."""
+        raise NotImplementedError
+
+    def varlen_backward(self, dout, q, k, v, out, lse, delta, call, cu_q, cu_k, *, scale: float):
+        """Backends with ``caps.varlen``: gradients of one packed call from the FINAL merged
+        ``lse [Hq, Rq]`` and ``delta = rowsum(dout * out) [Hq, Rq]`` fp32 (``out [Rq, Hq, D]`` too,
+        ``None`` allowed unless ``caps.needs_out``) -> ``(dq [Rq, Hq, D], dk, dv [Rk, Hkv, D])`` in
+        q's dtype. Streams as in :meth:`varlen_forward`."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -1,6 +1,7 @@
 """Public block-attention entry points and backend dispatch.
 
-``block_forward`` / ``block_backward`` validate, pick a backend, reduce the
+``block_forward`` / ``block_backward`` (and ``block_forward_into``, which merges into running
+accumulators, inside the kernel where the backend has ``caps.accumulate``) validate, pick a backend, reduce the
 mask to the visible sub-block (:func:`seqpar.kernels.base.plan_block`), run
 the backend there and pad the result back to the full block (a window band
 runs natively on backends whose capabilities say ``window``, else as plain
@@ -241,6 +242,54 @@ def block_forward(
         lse = torch.cat([x for x in (lse.new_full((b, hq, before), float("-inf")), lse,
                                      lse.new_full((b, hq, after), float("-inf"))) if x.shape[2]], dim=2)
     return out, lse
+
+
+def block_forward_into(
+    acc_out: torch.Tensor,
+    acc_lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    mask="none",
+    backend: str | None = None,
+) -> None:
+    """Merge the attention of one block into running accumulators, in place: the result of
+    ``merge_(acc_out, acc_lse, *block_forward(q, k, v, ...))``. A backend with
+    ``caps.accumulate`` merges inside its kernel (no ``out`` in q's dtype, no separate merge
+    pass, no rounding of the block's ``out`` to q's dtype); any other runs its forward and
+    :func:`~seqpar.kernels.merge.merge_`.
+
+    ``q``, ``k``, ``v``, ``mask`` as in :func:`block_forward`; ``acc_out [B, Tq, Hq, D]`` and
+    ``acc_lse [B, Hq, Tq]`` float32 (float64 for float64 inputs), e.g. from
+    :func:`~seqpar.kernels.merge.new_accumulator`. Rows that see no key keep their values.
+    """
+    check_qkv(q, k, v)
+    check_scale(scale)
+    b, tq, hq, d = q.shape
+    acc = lse_dtype(q.dtype)
+    for name, x, shape in (("acc_out", acc_out, tuple(q.shape)), ("acc_lse", acc_lse, (b, hq, tq))):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != acc or x.device != q.device:
+            got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a {acc} tensor of shape {shape} on {q.device} "
+                             f"(new_accumulator(q.shape, q.device)), got {got}")
+    plan = plan_block(tq, k.shape[1], mask)
+    if plan.empty or b == 0 or hq == 0 or d == 0:
+        select_backend(q, k, v, mask=mask, backend=backend)  # the same errors as a full block
+        return
+    rows, keys = slice(plan.q_start, plan.q_stop), slice(plan.k_start, plan.k_stop)
+    qr, kr, vr = q[:, rows], k[:, keys], v[:, keys]
+    ao, al = acc_out[:, rows], acc_lse[:, :, rows]
+
+    def call(chosen: Backend) -> None:
+        if chosen.caps.accumulate and acc == torch.float32 and ao.stride(-1) == 1 and al.stride(-1) == 1:
+            chosen.forward_into(ao, al, qr, kr, vr, scale=float(scale), **_mask_args(plan))
+        else:
+            merge_(ao, al, *chosen.forward(qr, kr, vr, scale=float(scale), **_mask_args(plan)))
+
+    _run(q, k, v, plan, mask=mask, backend=backend, for_backward=False, has_out=True, call=call,
+         pieces=lambda: merge_(ao, al, *_pieces_forward(qr, kr, vr, plan.window, float(scale), backend)))
 
 
 def _check_rows(name: str, x: torch.Tensor | None, shape: tuple[int, ...]) -> None:

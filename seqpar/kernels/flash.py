@@ -95,6 +95,7 @@ class FlashAttnBackend(Backend):
         priority=40,
         square_causal_only=True,
         window=True,
+        varlen=True,  # flash_attn_varlen_func and the private _flash_attn_varlen_backward
     )
 
     def unavailable(self, device):
@@ -142,4 +143,26 @@ class FlashAttnBackend(Backend):
             deterministic=False,
             rng_state=None,
         )
+        return dq, dk, dv
+
+    def varlen_forward(self, q, k, v, call, cu_q, cu_k, *, scale, acc=None):
+        fa, _ = _load()
+        with torch.no_grad():
+            out, lse, _ = fa.flash_attn_varlen_func(
+                q, k, v, cu_q, cu_k, call.max_q, call.max_k, dropout_p=0.0, softmax_scale=float(scale),
+                causal=call.causal, window_size=call.window, return_attn_probs=True)
+        if lse.dim() != 2:  # flash-attn >= 2.7 returns unpadded [Hq, total_q]
+            raise RuntimeError(f"flash_attn_varlen_func returned lse of shape {tuple(lse.shape)}, "
+                               "expected [Hq, total_q] (flash-attn >= 2.7)")
+        return out, lse
+
+    def varlen_backward(self, dout, q, k, v, out, lse, delta, call, cu_q, cu_k, *, scale):
+        fa, _ = _load()
+        dt = q.dtype
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        fa._flash_attn_varlen_backward(
+            dout.to(dt), q, k, v, out.to(dt), lse.float().contiguous(), dq, dk, dv, cu_q, cu_k,
+            call.max_q, call.max_k, dropout_p=0.0, softmax_scale=float(scale), causal=call.causal,
+            window_size_left=call.window[0], window_size_right=call.window[1], softcap=0.0, alibi_slopes=None,
+            deterministic=False, rng_state=None)
         return dq, dk, dv

@@ -8,8 +8,10 @@ device's shared memory (see :mod:`seqpar.kernels.triton_target`), GQA native, ba
 (no ``out`` needed), causal in any alignment (dispatch only ever hands it
 top-left causal), window bands natively (``caps.window``: a reduced
 :class:`~seqpar.kernels.masks.Band` ``(lo, hi)`` becomes the kernel's causal
-offset ``hi`` and ``window_left = hi - lo``, or a lower bound alone). Priority 35: above ``torch_cuda`` (30), below
-``flash_attn`` (40).
+offset ``hi`` and ``window_left = hi - lo``, or a lower bound alone), packed calls (``caps.varlen``:
+the kernels' ``cu_seqlens`` mode, bottom-right aligned, flash-attn's ``(left, right)`` windows
+mapped by :func:`varlen_geometry`) and in-kernel accumulation (``caps.accumulate``). Priority 35:
+above ``torch_cuda`` (30), below ``flash_attn`` (40).
 
 CPU tensors: refused, except under ``TRITON_INTERPRET=1`` (Triton's slow
 interpreter, for tests), where the backend also accepts CPU but ranks below
@@ -45,6 +47,8 @@ def _caps(devices: frozenset[str]) -> Capabilities:
         needs_out=False,  # delta = rowsum(dout * out) is enough
         priority=35,
         window=True,  # the kernels' HAS_WINDOW masks: one launch per band, no pieces
+        varlen=True,  # IS_VARLEN kernels over cu_seqlens, bottom-right aligned per document
+        accumulate=True,  # the forward's ACCUMULATE mode merges into fp32 (out, lse) in the kernel
     )
 
 
@@ -84,7 +88,7 @@ class TritonBackend(Backend):
         if (q.is_cuda and q.dtype == torch.bfloat16
                 and torch.cuda.get_device_capability(q.device) < (8, 0)):
             return "bfloat16 needs compute capability >= 8.0"
-        from .triton_attention import refusal
+        from .triton_attention_host import refusal
 
         # Includes "no configuration fits the shared memory of sm_XX", per direction: a case whose
         # backward does not fit the device may still run its forward here.
@@ -103,6 +107,51 @@ class TritonBackend(Backend):
 
         return triton_attention_backward(dout, q, k, v, out, lse, scale=scale, delta=delta,
                                          **mask_geometry(causal, window))
+
+
+    def forward_into(self, acc_out, acc_lse, q, k, v, *, scale: float, causal: bool,
+                     window: Band | None = None) -> None:
+        from .triton_attention import triton_attention_forward
+
+        triton_attention_forward(q, k, v, scale=scale, acc=(acc_out, acc_lse), **mask_geometry(causal, window))
+
+    def varlen_forward(self, q, k, v, call, cu_q, cu_k, *, scale: float, acc=None):
+        from .triton_attention import triton_attention_forward
+
+        return triton_attention_forward(q, k, v, scale=scale, packed=_packed(call, cu_q, cu_k), acc=acc,
+                                        align="bottom_right", **varlen_geometry(call.causal, call.window))
+
+    def varlen_backward(self, dout, q, k, v, out, lse, delta, call, cu_q, cu_k, *, scale: float):
+        from .triton_attention import triton_attention_backward
+
+        return triton_attention_backward(dout, q, k, v, out, lse, scale=scale, delta=delta,
+                                         packed=_packed(call, cu_q, cu_k), align="bottom_right",
+                                         **varlen_geometry(call.causal, call.window))
+
+
+def _packed(call, cu_q, cu_k):
+    """The kernels' :class:`~seqpar.kernels.triton_attention_host.PackedSeqs` of a packed call
+    (host offsets from the call: no device sync)."""
+    from .triton_attention_host import PackedSeqs
+
+    return PackedSeqs(cu_q, cu_k, call.cu_q, call.cu_k, call.max_q, call.max_k)
+
+
+def varlen_geometry(causal: bool, window: tuple[int, int]) -> dict:
+    """The kernels' ``mask`` / ``causal_offset`` / ``window_left`` for a packed call in flash-attn's
+    terms, aligned bottom-right: query ``i`` of a document sees keys ``i + s - left .. i + s + right``
+    (``s = len_k - len_q``, ``-1`` = unbounded, ``causal`` = ``right`` 0). With ``align="bottom_right"``
+    the kernels' offset ``off`` gains that ``s`` and they hide ``j > i + off`` (causal) and
+    ``j < i + off - window_left`` (window), so an upper edge is ``causal`` at offset ``right`` with
+    ``window_left = left + right``, and a lower edge alone is ``none`` at offset ``-left``."""
+    left, right = window
+    if causal:
+        right = 0
+    if right < 0:
+        return {"mask": "none"} if left < 0 else {"mask": "none", "causal_offset": -left, "window_left": 0}
+    if left < 0:
+        return {"mask": "causal", "causal_offset": right}
+    return {"mask": "causal", "causal_offset": right, "window_left": left + right}
 
 
 def mask_geometry(causal: bool, window: Band | None) -> dict:

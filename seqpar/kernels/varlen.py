@@ -22,10 +22,10 @@ Execution (chosen per call, like the dense kernels):
   segments of one shape ``(q_len, k_len, mask)`` on disjoint rows are stacked
   into the batch dimension and served by ONE block call (packed batches hold
   many short documents; one call per document would be dominated by overhead);
-- flash-attn varlen (``flash_attn_varlen_func`` forward, the private
-  ``_flash_attn_varlen_backward``) on CUDA when importable: segments are
-  gathered into contiguous streams described by ``cu_seqlens_q/k``
-  (:mod:`.varlen_flash`; if chosen automatically and its kernels fail to
+- the varlen kernels of a backend whose capabilities say ``varlen`` (flash-attn's
+  ``flash_attn_varlen_func``, seqpar's Triton kernel), on CUDA: segments are gathered
+  into contiguous streams described by ``cu_seqlens_q/k`` (:mod:`.varlen_packed`, which
+  also says how the backend is chosen; if chosen automatically and its kernels fail to
   launch here, the per-segment path takes over: :mod:`.fallback`).
 
 The descriptor is built once on the host (frozen); device index tensors are
@@ -43,10 +43,9 @@ import torch
 
 from .base import MASKS, check_mask, check_qkv, check_scale, lse_dtype, plan_block
 from .dispatch import block_backward, block_forward
-from .flash import window_size
 from .masks import Band, as_band, canonical, visible_pairs
 from .merge import merge_, new_accumulator
-from .varlen_flash import flash_backward_parts, flash_forward_parts, flash_run, use_flash
+from .varlen_packed import PackedCall, backward_parts, colour, forward_parts, plan_packed, run_packed
 
 
 class TensorCache:
@@ -114,46 +113,6 @@ class SegmentBatch:
     k_starts: tuple[int, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class PackedCall:
-    """One launch of a packed (varlen) kernel that takes ``cu_seqlens``.
-
-    The query rows ``q_rows`` (``(start, length)`` ranges, in order) are gathered
-    into one contiguous stream, the key rows ``k_rows`` into another; document
-    ``b`` is rows ``cu_q[b]:cu_q[b+1]`` of the first against ``cu_k[b]:cu_k[b+1]``
-    of the second. Query ranges are pairwise disjoint. ``causal`` holds for every
-    document, and causal documents are square (then top-left and flash-attn's
-    bottom-right alignment agree).
-    """
-
-    causal: bool
-    q_rows: tuple[tuple[int, int], ...]
-    k_rows: tuple[tuple[int, int], ...]
-    cu_q: tuple[int, ...]
-    cu_k: tuple[int, ...]
-    max_q: int
-    max_k: int
-    window: tuple[int, int] = (-1, -1)
-
-
-def _colour(items: list[tuple], length: Callable[[tuple], int]) -> list[list[tuple]]:
-    """Split items ``(q_start, ...)`` into groups whose rows ``[q_start, q_start + length(item))``
-    are pairwise disjoint: greedy interval colouring by start (optimal; a packed stream
-    usually needs one group)."""
-    layers: list[list[tuple]] = []
-    ends: list[int] = []
-    for item in sorted(items):
-        for i, end in enumerate(ends):
-            if end <= item[0]:
-                layers[i].append(item)
-                ends[i] = item[0] + length(item)
-                break
-        else:
-            layers.append([item])
-            ends.append(item[0] + length(item))
-    return layers
-
-
 def _plan_batches(segments: Iterable[Segment]) -> tuple[SegmentBatch, ...]:
     groups: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
     for seg in segments:
@@ -162,42 +121,10 @@ def _plan_batches(segments: Iterable[Segment]) -> tuple[SegmentBatch, ...]:
             groups.setdefault((t.q_len, t.k_len, t.mask), []).append((t.q_start, t.k_start))
     batches = []
     for (q_len, k_len, mask), items in groups.items():
-        for layer in _colour(items, lambda item, n=q_len: n):
+        for layer in colour(items, lambda item, n=q_len: n):
             batches.append(SegmentBatch(q_len, k_len, mask, tuple(i[0] for i in layer),
                                         tuple(i[1] for i in layer)))
     return tuple(batches)
-
-
-def _pieces(seg: Segment) -> list[tuple[int, int, int, int, bool, tuple[int, int]]]:
-    """A segment as ``(q_start, q_len, k_start, k_len, causal, window)`` pieces whose causal ones
-    are square; a window piece carries flash-attn's ``(left, right)`` for its reduced block."""
-    p = plan_block(seg.q_len, seg.k_len, seg.mask)
-    if p.empty:
-        return []
-    q0, rows, k0 = seg.q_start + p.q_start, p.rows, seg.k_start + p.k_start
-    if p.window is not None:
-        return [(q0, rows, k0, p.keys, False, window_size(rows, p.keys, p.window))]
-    if not p.causal:
-        return [(q0, rows, k0, p.keys, False, (-1, -1))]
-    out = [(q0, p.keys, k0, p.keys, True, (-1, -1))]  # square causal diagonal
-    if rows > p.keys:  # rows below the diagonal see every kept key
-        out.append((q0 + p.keys, rows - p.keys, k0, p.keys, False, (-1, -1)))
-    return out
-
-
-def _plan_packed(segments: Iterable[Segment]) -> tuple[PackedCall, ...]:
-    pieces = [pc for seg in segments for pc in _pieces(seg)]
-    calls = []
-    for kind in sorted({(pc[4], pc[5]) for pc in pieces}):
-        for layer in _colour([pc for pc in pieces if (pc[4], pc[5]) == kind], lambda pc: pc[1]):
-            cu_q, cu_k = [0], [0]
-            for pc in layer:
-                cu_q.append(cu_q[-1] + pc[1])
-                cu_k.append(cu_k[-1] + pc[3])
-            calls.append(PackedCall(
-                kind[0], tuple((pc[0], pc[1]) for pc in layer), tuple((pc[2], pc[3]) for pc in layer),
-                tuple(cu_q), tuple(cu_k), max(pc[1] for pc in layer), max(pc[3] for pc in layer), kind[1]))
-    return tuple(calls)
 
 
 def _as_int(x, what: str) -> int:
@@ -282,7 +209,7 @@ class VarlenSegments:
 
     def packed_calls(self) -> tuple[PackedCall, ...]:
         """Launches of a varlen kernel (``cu_seqlens`` form) that cover every segment (cached)."""
-        return self.cache.get("packed_calls", lambda: _plan_packed(self.segments))
+        return self.cache.get("packed_calls", lambda: plan_packed(self.segments))
 
     def packed_tensors(self, i: int, device) -> tuple[torch.Tensor, ...]:
         """Device tensors of :meth:`packed_calls` ``[i]``: ``(q_index, k_index, cu_q, cu_k)``.
@@ -346,9 +273,10 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: 
 
     ``q [1, Tq, Hq, D]``, ``k``/``v [1, Tk, Hkv, D]``; returns ``out [1, Tq, Hq, D]``
     in q's dtype and ``lse [1, Hq, Tq]`` fp32 (fp64 for fp64). Rows in no segment:
-    ``out = 0``, ``lse = -inf``. ``backend``: None (flash-attn varlen on CUDA when it
-    fits, else per-segment block calls with automatic dispatch), ``"flash_attn"``, or
-    a block backend name forced for every per-segment call. ``acc=(acc_out, acc_lse)``
+    ``out = 0``, ``lse = -inf``. ``backend``: None (a varlen kernel when the first-ranked
+    backend has one, else per-segment block calls with automatic dispatch: :mod:`.varlen_packed`),
+    a backend with ``caps.varlen`` (its varlen kernel), or another backend name forced for
+    every per-segment call. ``acc=(acc_out, acc_lse)``
     (fp32/fp64 accumulators of :func:`new_accumulator` for ``q``): merge into them in
     place and return them instead (the ring loop's running result).
     """
@@ -362,12 +290,15 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: 
             raise ValueError(f"acc shapes {tuple(acc_out.shape)}, {tuple(acc_lse.shape)} do not fit q "
                              f"{tuple(q.shape)}: make them with new_accumulator(q.shape, q.device)")
     hq, d = q.shape[2], q.shape[3]
-    parts = None
-    if use_flash(q, k, v, backend, False, True):
-        parts = flash_run(q, k, backend, False, lambda: flash_forward_parts(q, k, v, segments, scale))
+    parts = run_packed(q, k, v, backend, False, True,
+                       lambda chosen: forward_parts(chosen, q, k, v, segments, scale, (acc_out, acc_lse)))
     if parts is not None:
-        for qi, o, lse in parts:
-            _merge_rows(acc_out, acc_lse, qi, o, lse)
+        for qi, o, lse, merged in parts:
+            if merged:  # the kernel merged into the gathered accumulator rows
+                acc_out[0].index_copy_(0, qi, o)
+                acc_lse[0].index_copy_(1, qi, lse)
+            else:
+                _merge_rows(acc_out, acc_lse, qi, o, lse)
     else:
         for b, (qi, ki) in zip(segments.batches, segments.batch_tensors(q.device)):
             g = len(b.q_starts)
@@ -415,9 +346,8 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         for name, x, like in (("dq", dq_a, q), ("dk", dk_a, k), ("dv", dv_a, v)):
             if tuple(x.shape) != tuple(like.shape):
                 raise ValueError(f"grad_acc {name} has shape {tuple(x.shape)}, expected {tuple(like.shape)}")
-    parts = None
-    if use_flash(q, k, v, backend, True, out is not None):
-        parts = flash_run(q, k, backend, True, lambda: flash_backward_parts(dout, q, k, v, out, lse, segments, scale))
+    parts = run_packed(q, k, v, backend, True, out is not None,
+                       lambda chosen: backward_parts(chosen, dout, q, k, v, out, lse, delta, segments, scale))
     if parts is not None:
         for qi, ki, dq, dk, dv in parts:
             dq_a[0].index_add_(0, qi, dq.to(acc))

@@ -36,7 +36,7 @@ from ..comm import (
     nbytes,
     reduce_scatter_stack,
 )
-from ..kernels import block_backward, block_forward, merge_, new_accumulator
+from ..kernels import block_backward, block_forward, block_forward_into, merge_, new_accumulator
 from ..kernels.varlen import varlen_backward, varlen_forward
 from ..tracing import Trace, begin, end
 from .checkpoint import active_tape
@@ -302,14 +302,16 @@ class _Run:
         cfg = self.cfg
         if b.segments is not None:
             self._compute_packed(task, b, qp, qr, k, v)
+        elif not self.bwd and task.q == 0:  # own rows: merged into the running accumulator in place
+            block_forward_into(*self._rows(self.mine["out"], "out", b.q), qp["q"][:, qr], k, v, scale=cfg.scale,
+                               mask=b.mask, backend=cfg.backend)
         elif not self.bwd:
             o, lse = block_forward(qp["q"][:, qr], k, v, scale=cfg.scale, mask=b.mask, backend=cfg.backend)
             self.add("out", task.q, b.q, (o, lse))
         else:
             delta = _foreign_delta(task, qp, qr)
-            gq, gk, gv = block_backward(qp["dout"][:, qr], qp["q"][:, qr], k, v, qp["out"][:, qr],
-                                        qp["lse"][:, :, qr], scale=cfg.scale, mask=b.mask, backend=cfg.backend,
-                                        delta=delta)
+            gq, gk, gv = block_backward(qp["dout"][:, qr], qp["q"][:, qr], k, v, qp["out"][:, qr], qp["lse"][:, :, qr],
+                                        scale=cfg.scale, mask=b.mask, backend=cfg.backend, delta=delta)
             self.add("out", task.q, b.q, (gq,))
             self.add("dkv", task.kv, b.kv, (gk, gv))
 
