@@ -101,9 +101,11 @@ def test_aot_ci_matrix_compiles_within_limits(ci_rows):
 def test_aot_ci_matrix_covers_every_kernel_path_and_gpu(ci_rows):
     seen = {(r["kernel"], r["case"].split("-")[1]) for r in ci_rows}
     for kernel in ("attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel", "attn_delta_kernel"):
-        for path in ("dense", "packed", "window"):
+        for path in ("dense", "packed", "window", "packed_window"):
             assert (kernel, path) in seen, f"{kernel} was not compiled on the {path} path"
     assert ("attn_fwd_kernel", "acc") in seen and ("attn_delta_kernel", "dlse") in seen
+    lower_edge = {r["kernel"] for r in ci_rows if r["case"].startswith(("attn_fwd-window-none", "attn_bwd-window-none"))}
+    assert lower_edge >= {"attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"}
     assert {r["kernel"] for r in ci_rows} >= {"_gla_intra_fwd_kernel", "_gla_intra_bwd_kernel"}
     assert {r["arch"] for r in ci_rows} == {"sm_90", "sm_80", "sm_89"}
     assert {r["dtype"] for r in ci_rows} == {"bf16", "fp16", "fp32"}

@@ -46,7 +46,8 @@ class Case:
     ``op``: ``attn_fwd`` / ``attn_bwd`` (triton_attention) or ``linear_fwd`` / ``linear_bwd``
     (linear_triton). ``d``: head dim (attention) or K = V (linear). ``path`` for attention:
     ``dense`` (mask per ``causal``, GQA 4:2 if ``gqa``), ``packed`` (varlen), ``window``
-    (sliding window, causal), ``acc`` (in-kernel accumulation), ``dlse`` (backward through the
+    (sliding window: with ``causal`` a band, else a lower edge only), ``packed_window`` (varlen
+    with a window, bottom-right aligned, as packed dispatch calls it), ``acc`` (in-kernel accumulation), ``dlse`` (backward through the
     forward op's autograd, with a gradient on lse), ``delta`` (backward from delta alone); for linear:
     ``mode0`` (no decay), ``mode1`` (scalar decay), ``mode2`` (per-key decay). ``configs``: ``kept``
     (what pruning keeps for ``arch``), ``first`` (the first kept one) or ``table`` (every configuration
@@ -140,10 +141,12 @@ def _drive_attention(case: Case) -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, t, h, case.d, generator=g).to(dt) for h in (hq, hkv, hkv))
     kw = dict(mask="causal" if case.causal else "none")
-    if case.path == "packed":
+    if case.path in ("packed", "packed_window"):
         packed = ta.PackedSeqs.from_lengths([100, 156], [100, 156])
         q, k, v = (x.reshape(b * t, x.shape[2], x.shape[3])[:256] for x in (q, k, v))
         kw["packed"] = packed
+        if case.path == "packed_window":
+            kw.update(window_left=32, align="bottom_right")
     elif case.path == "window":
         kw["window_left"] = 64
     if case.op == "attn_fwd":

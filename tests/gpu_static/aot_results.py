@@ -23,14 +23,17 @@ def _dense(op, dtype, d, arch, configs="kept"):
 
 
 def ci_cases() -> list[aot.Case]:
-    """The CI part (about 90 s on 2 cores): every attention kernel with every configuration kept
+    """The CI part (about 100 s on 2 cores): every attention kernel with every configuration kept
     for bf16 D = 128 on sm_90 and sm_80 and for fp16 D = 64 on sm_90; the packed, window,
     accumulate and lse-gradient paths with their first configuration; the configurations sm_89
     keeps for the bf16 D = 256 backward; one fp32 forward; the linear-attention chunk kernels."""
     cases = [aot.Case(op, "bf16", 128, "dense", arch) for op in ("attn_fwd", "attn_bwd") for arch in (90, 80)]
     cases += [aot.Case(op, "fp16", 64, "dense", 90, False, False) for op in ("attn_fwd", "attn_bwd")]
-    paths = {"attn_fwd": ("packed", "window", "acc"), "attn_bwd": ("packed", "window", "dlse")}
+    paths = {"attn_fwd": ("packed", "window", "packed_window", "acc"),
+             "attn_bwd": ("packed", "window", "packed_window", "dlse")}
     cases += [aot.Case(op, "bf16", 128, p, 90, configs="first") for op, ps in paths.items() for p in ps]
+    # a window's lower edge alone (symmetric windows' blocks): the kernels with HAS_WINDOW, no IS_CAUSAL
+    cases += [aot.Case(op, "bf16", 128, "window", 90, False, True, "first") for op in ("attn_fwd", "attn_bwd")]
     cases += [aot.Case("attn_bwd", "bf16", 256, "dense", 89),
               aot.Case("attn_fwd", "fp32", 64, "dense", 90, configs="first")]
     cases += [aot.Case(op, "fp32", 64, "mode2", 90) for op in ("linear_fwd", "linear_bwd")]
@@ -62,9 +65,10 @@ def full_cases() -> list[aot.Case]:
                         cases += _dense(op, dtype, d, arch, "table")
     for dtype, d in (("bf16", 64), ("bf16", 128), ("fp32", 64)):
         for arch in (90, 80):
-            paths = {"attn_fwd": ("packed", "window", "acc"),
-                     "attn_bwd": ("packed", "window", "dlse", "delta")}
+            paths = {"attn_fwd": ("packed", "window", "packed_window", "acc"),
+                     "attn_bwd": ("packed", "window", "packed_window", "dlse", "delta")}
             cases += [aot.Case(op, dtype, d, p, arch) for op, ps in paths.items() for p in ps]
+            cases += [aot.Case(op, dtype, d, "window", arch, False) for op in ("attn_fwd", "attn_bwd")]
     cases += [aot.Case(op, "fp32", d, mode, arch) for op in ("linear_fwd", "linear_bwd") for d in (64, 128)
               for mode in ("mode0", "mode1", "mode2") for arch in (90, 80)]
     return cases
