@@ -26,13 +26,18 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.comm.pool import LocalRanks
+from seqpar.methods import method as declared
 
 METHODS = ("zigzag_ring", "token_ring", "ulysses")
 
 
 def _intervals(method: str, T: int, n: int, r: int) -> list[tuple[int, int]]:
-    """Global positions ``[lo, hi)`` member r holds: zigzag chunks r and 2N-1-r, else one shard."""
-    if method == "zigzag_ring":
+    """Global positions ``[lo, hi)`` member r holds in the method's layout: zigzag chunks r and
+    2N-1-r (zigzag_ring, token_ring), else one contiguous shard."""
+    layout = declared(method).layout
+    if layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"{method}: the byte formula here covers zigzag and contiguous layouts, not {layout}")
+    if layout == "zigzag":
         h = T // (2 * n)
         return [(r * h, (r + 1) * h), ((2 * n - 1 - r) * h, (2 * n - r) * h)]
     c = T // n

@@ -101,11 +101,11 @@ def main(argv=None) -> int:
 def summarize(result: dict, methods, sizes) -> dict:
     runs = result["runs"]
     worst = max(abs(r["error"]) for run in runs for r in run["n2"])
-    spread, spread_one, spread_floor = {}, {}, {}
+    spread, spread_one, spread_floor, spread_class = {}, {}, {}, {}
     for n in sizes:
         for meth in methods:
             for key, into in (("efficiency_own", spread), ("efficiency", spread_one),
-                              ("efficiency_floor", spread_floor)):
+                              ("efficiency_floor", spread_floor), ("efficiency_class", spread_class)):
                 effs = [next(r.get(key, float("nan")) for r in run[f"n{n}"] if r["method"] == meth) for run in runs]
                 into[f"{meth} N={n}"] = (max(effs) - min(effs)) / statistics.mean(effs)
     return {"n2_max_abs_error": worst, "n2_within_10pct": worst <= 0.10,
@@ -113,7 +113,8 @@ def summarize(result: dict, methods, sizes) -> dict:
             "efficiency_max_spread": max(spread.values()), "spread_within_3pct": max(spread.values()) <= 0.03,
             "spread": spread, "one_rank_efficiency_max_spread": max(spread_one.values()),
             "spread_against_one_rank": spread_one, "floor_efficiency_max_spread": max(spread_floor.values()),
-            "spread_floor": spread_floor, "loads": [(run["load_before"], run["load_after"]) for run in runs],
+            "spread_floor": spread_floor, "class_efficiency_max_spread": max(spread_class.values()),
+            "spread_class": spread_class, "loads": [(run["load_before"], run["load_after"]) for run in runs],
             "tracing_overhead_wall": [run["overhead"]["overhead_wall"] for run in runs],
             "tracing_overhead_cpu": [run["overhead"]["overhead_cpu"] for run in runs]}
 
@@ -141,22 +142,25 @@ def markdown(result: dict, methods, sizes) -> str:
               + ", ".join(f"{e:.1%}" for e in summ["n2_max_abs_error_per_run"]) + "; target 10%).", "",
               "## (b) N = 4 and 8 on 2 cores: replayed efficiency per run and its spread", "",
               "`efficiency`: the replayed one-rank step / N / the replayed step (each repeat's traces, median); "
-              "`floor`: the same from the per-segment minimum over the repeats (`floor_traces`); `own`: the ranks' "
-              "mean traced busy time over the replayed step. Spread = (max - min) / mean over the runs.", "",
-              "| method | N | efficiency per run | spread | floor per run | spread | own per run | spread |",
-              "|---|---|---|---|---|---|---|---|"]
+              "`floor`: the same from the per-segment minimum over the repeats (`floor_traces`); `class`: the same "
+              "with one median time per kernel class over all ranks and repeats (`kernel_class_traces`); `own`: the "
+              "ranks' mean traced busy time over the replayed step. Spread = (max - min) / mean over the runs.", "",
+              "| method | N | efficiency per run | spread | floor per run | spread | class per run | spread | "
+              "own per run | spread |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n in sizes:
         for meth in methods:
             rows = [next(r for r in run[f"n{n}"] if r["method"] == meth) for run in runs]
             key = f"{meth} N={n}"
             cols = []
             for field, spread in (("efficiency", summ["spread_against_one_rank"]), ("efficiency_floor",
-                                  summ["spread_floor"]), ("efficiency_own", summ["spread"])):
+                                  summ["spread_floor"]), ("efficiency_class", summ["spread_class"]),
+                                  ("efficiency_own", summ["spread"])):
                 cols.append(" / ".join(f"{r.get(field, float('nan')):.3f}" for r in rows))
                 cols.append(f"{spread[key]:.1%}")
             lines.append(f"| {meth} | {n} | " + " | ".join(cols) + " |")
     lines += ["", f"Largest spread: efficiency {summ['one_rank_efficiency_max_spread']:.1%}, floor "
-              f"{summ['floor_efficiency_max_spread']:.1%}, own {summ['efficiency_max_spread']:.1%} (target 3%).", "",
+              f"{summ['floor_efficiency_max_spread']:.1%}, class {summ['class_efficiency_max_spread']:.1%}, own "
+              f"{summ['efficiency_max_spread']:.1%} (target 3%).", "",
               "## (c) Tracing overhead (zigzag_ring, N = 2, traced and untraced steps interleaved)", "",
               "Wall clock: " + ", ".join(f"{x:+.1%}" for x in summ["tracing_overhead_wall"]) + "; thread CPU time: "
               + ", ".join(f"{x:+.1%}" for x in summ["tracing_overhead_cpu"]) + " (target 5%).", ""]

@@ -256,3 +256,18 @@ def test_floor_of_repeats_takes_each_segments_least_disturbed_time():
     other = one((1.0, 0.5), 2.0)
     other[0]["events"].insert(1, dict(other[0]["events"][1], type="wait", ids=[]))
     assert floor_traces([one((1.0, 0.5), 3.0), other]) is None  # different events: no floor
+
+
+def test_kernel_classes_take_one_median_time_over_ranks_and_repeats():
+    from seqpar.bench.replay_validate import kernel_class_traces
+
+    def repeat(ms_a, ms_b):  # two ranks, one kernel each (the same class), no messages
+        a, b = _ranks(2)
+        a.compute(ms_a)
+        b.compute(ms_b)
+        return [a.dict(), b.dict()]
+
+    # rank 1 was disturbed in two of three repeats: the class's median over all six (1.1 ms), on both ranks
+    classed = kernel_class_traces([repeat(1.0, 3.0), repeat(1.0, 1.0), repeat(1.2, 2.0)])
+    assert [t["events"][0]["cpu"] for t in classed] == [1_100_000, 1_100_000]
+    assert replay(classed, CPU).step_s == pytest.approx(1.1e-3)

@@ -93,29 +93,63 @@ def run_case(ranks: LocalRanks, case: BenchCase, repeats: int = 3, warmup: int =
     return steps, traces
 
 
-def floor_traces(repeats: list[list[dict]]) -> list[dict] | None:
-    """One trace per rank whose every compute time and host gap is the minimum over the repeats
-    (the repeats of one case record the same events in the same order): the least disturbed
-    estimate of each segment on shared cores, where another rank's work can only slow a segment
-    down (cache, frequency), never speed it up. None when the repeats' events differ."""
+def floor_traces(repeats: list[list[dict]], pick=min) -> list[dict] | None:
+    """One trace per rank whose every compute time and host gap is ``pick`` (default the minimum)
+    over the repeats (the repeats of one case record the same events in the same order): the least
+    disturbed estimate of each segment on shared cores, where another rank's work can only slow a
+    segment down (cache, frequency), never speed it up. None when the repeats' events differ."""
     out = []
     for rank_traces in zip(*repeats):
         events = [t["events"] for t in rank_traces]
         if any(len(e) != len(events[0]) or any(a["type"] != b["type"] for a, b in zip(e, events[0])) for e in events):
             return None
-        floor, clock, last = [], 0, None
+        floor, clock = [], 0
         for i, ev in enumerate(events[0]):
-            gaps = [e[i]["t"] - (e[i - 1]["t"] + e[i - 1].get("cpu", 0) if e[i - 1]["type"] == "compute"
-                                 else e[i - 1]["t"]) if i else 0 for e in events]
-            clock = clock + max(0, min(gaps)) if last is not None else 0
+            if i:
+                clock += max(0, pick([e[i]["t"] - _end(e[i - 1]) for e in events]))
             ev = dict(ev, t=clock)
             if ev["type"] == "compute":
-                ev["cpu"] = min(e[i]["cpu"] for e in events)
+                ev["cpu"] = pick([e[i]["cpu"] for e in events])
                 clock += ev["cpu"]
             floor.append(ev)
-            last = ev
         out.append(dict(rank_traces[0], events=floor))
     return out
+
+
+def _end(ev: dict) -> int:
+    return ev["t"] + ev.get("cpu", 0) if ev["type"] == "compute" else ev["t"]
+
+
+def kernel_class_traces(repeats: list[list[dict]]) -> list[dict] | None:
+    """The median repeat (:func:`floor_traces` with the median), then every compute event's time
+    replaced by the median over every rank and repeat of the events of its class (name, shape,
+    mask): one time per kernel class, as a GPU kernel model has, so that noise on one rank's
+    segment no longer shows up as imbalance between ranks. None when the repeats' events differ."""
+    med = floor_traces(repeats, pick=lambda xs: sorted(xs)[len(xs) // 2])
+    if med is None:
+        return None
+    times: dict = {}
+    for ranks in repeats:
+        for tr in ranks:
+            for ev in tr["events"]:
+                if ev["type"] == "compute":
+                    times.setdefault(_kernel_class(ev), []).append(ev["cpu"])
+    out = []
+    for tr in med:
+        events, shift = [], 0
+        for ev in tr["events"]:
+            ev = dict(ev, t=ev["t"] + shift)
+            if ev["type"] == "compute":
+                cpu = statistics.median(times[_kernel_class(ev)])
+                shift += cpu - ev["cpu"]
+                ev["cpu"] = cpu
+            events.append(ev)
+        out.append(dict(tr, events=events))
+    return out
+
+
+def _kernel_class(ev: dict) -> tuple:
+    return ev["name"], tuple(ev.get("shape") or ()), str(ev.get("mask"))
 
 
 def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalRanks, repeats: int = 3,
@@ -124,7 +158,8 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
     ``efficiency_own`` (the ranks' mean traced busy time over the replayed step: the schedule's
     imbalance, exposed communication and waiting, measured against the same run's own work), and
     with ``ideal`` the replayed efficiency against a replayed one-rank run (its step / N / the step),
-    also for the :func:`floor_traces` of the repeats (``efficiency_floor``)."""
+    also for the :func:`floor_traces` of the repeats (``efficiency_floor``) and for their
+    :func:`kernel_class_traces` (``efficiency_class``)."""
     rows = []
     for meth in methods:
         case = BenchCase(meth, world_size=world_size, **shape)
@@ -143,9 +178,10 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
             t1 = statistics.median(replay(tr, m).step_s for tr in one)
             row["replayed_one_s"] = t1
             row["efficiency"] = t1 / world_size / row["replayed_s"]
-            floor, one_floor = floor_traces(traces), floor_traces(one)
-            if floor is not None and one_floor is not None:
-                row["efficiency_floor"] = replay(one_floor, m).step_s / world_size / replay(floor, m).step_s
+            for key, build in (("efficiency_floor", floor_traces), ("efficiency_class", kernel_class_traces)):
+                many, single = build(traces), build(one)
+                if many is not None and single is not None:
+                    row[key] = replay(single, m).step_s / world_size / replay(many, m).step_s
         rows.append(row)
     return rows
 
