@@ -188,6 +188,24 @@ def test_pruner_raises_rather_than_launch_what_cannot_fit(monkeypatch):
     assert tiles == [(32, 32, 4, 2)]
 
 
+def test_pruner_leaves_out_what_spills_in_one_variant_only(monkeypatch):
+    """The packed windowed dq kernel (bf16, D = 128) spills at 64x64 with 4 warps on sm_90 (the AOT
+    suite measured 4 B per thread at the 255-register cap): pruned there, kept for every other variant."""
+    monkeypatch.setattr(tt, "device_target", lambda device: tt.Target.of(90))
+    q = torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16)
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in tt.all_configs("dq")]
+
+    def tiles(**meta):
+        kept = tt.pruner("dq")(configs, {"Q": q}, BLOCK_D=128, **meta)
+        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept}
+
+    full = set(tt.fitting("dq", 2, 128, tt.Target.of(90)))
+    assert tiles(IS_VARLEN=True, HAS_WINDOW=True) == full - {(64, 64, 4, 3)}
+    for meta in ({}, {"IS_VARLEN": True, "HAS_WINDOW": False}, {"IS_VARLEN": False, "HAS_WINDOW": True}):
+        assert tiles(**meta) == full
+
+
 def test_device_target_reads_the_device(monkeypatch):
     class Props:
         shared_memory_per_block_optin = 101_376

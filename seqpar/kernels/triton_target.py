@@ -108,6 +108,13 @@ CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int, int, int]]]] = {
 }
 KERNEL_TITLES = {"fwd": "forward", "dq": "dq", "dkdv": "dk/dv"}
 
+# Configurations left out of one kernel variant because ptxas spills there (ahead-of-time compilation,
+# tests/test_gpu_static_triton.py): the packed dq kernel with a window (IS_VARLEN and HAS_WINDOW, as
+# packed dispatch launches it for windowed documents) at 64x64 with 4 warps reaches the 255-register
+# cap for fp16 / bf16 D = 128 and spills 4 B per thread on sm_90; the other configurations of the table
+# do not. Keyed by (kernel, "half" | "fp32", table bound of D, IS_VARLEN, HAS_WINDOW).
+SPILLING: dict[tuple, frozenset] = {("dq", "half", 128, True, True): frozenset({(64, 64, 4, 3)})}
+
 
 def all_configs(kernel: str) -> list[tuple[int, int, int, int]]:
     """Every configuration of ``kernel`` in any table (the autotuner's list), without repeats."""
@@ -167,6 +174,14 @@ def no_fit_reason(kernels, elem_bytes: int, block_d: int, target: Target | None)
     return None
 
 
+def _spilling(kernel: str, elem_bytes: int, block_d: int, constexprs: dict) -> frozenset:
+    """The :data:`SPILLING` configurations of this launch's variant (never all of its table)."""
+    width = "fp32" if elem_bytes == 4 else "half"
+    bound = next(b for b in sorted(b for w, b in CONFIGS[kernel] if w == width) if b >= block_d)
+    return SPILLING.get((kernel, width, bound, bool(constexprs.get("IS_VARLEN")), bool(constexprs.get("HAS_WINDOW"))),
+                        frozenset())
+
+
 def pruner(kernel: str):
     """``early_config_prune`` for ``triton.autotune``: keep the configurations of the table for the
     launch's dtype and BLOCK_D that fit the device of its first tensor argument."""
@@ -175,7 +190,7 @@ def pruner(kernel: str):
         q = next(iter(named_args.values()))
         elem, block_d = q.element_size(), kwargs["BLOCK_D"]
         target = device_target(q.device)
-        keep = set(fitting(kernel, elem, block_d, target))
+        keep = set(fitting(kernel, elem, block_d, target)) - _spilling(kernel, elem, block_d, kwargs)
         kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
                                        c.num_stages) in keep]
         if not kept:  # the wrappers refuse such a case before launching; never launch what cannot fit
