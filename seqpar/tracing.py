@@ -9,7 +9,9 @@ own trace; :meth:`Trace.save` writes it as JSON and :mod:`seqpar.bench.replay` r
 of all ranks on a machine model.
 
 Events, in the rank's order (``id`` = index; every event has ``phase`` ``"fwd"``/``"bwd"``, ``t``:
-this thread's CPU time when it started, ``w``: wall time, both ns since the trace began):
+this thread's CPU time when it started, ``w``: wall time, both ns since the trace began; the file's
+``wall_origin_ns`` is when it began on ``time.perf_counter_ns``'s clock, which on Linux is one
+clock for every process of a machine, so local ranks' events can be put on one time line):
 
 - ``compute``: one kernel or block call: ``name``, ``flops`` (the bench's formulas below),
   ``shape``, ``mask``, ``cpu`` (its duration as this thread's CPU time, ``time.thread_time_ns``:
@@ -99,6 +101,8 @@ class _Span:
         self.trace, self.event, self.id = trace, event, event["id"]
 
     def __enter__(self) -> "_Span":
+        if self.trace.exclusive is not None:
+            self.trace.exclusive.__enter__()
         self._c0, self._w0 = time.thread_time_ns(), time.perf_counter_ns()
         self.event["t"], self.event["w"] = self._c0 - self.trace._c_origin, self._w0 - self.trace._w_origin
         return self
@@ -107,15 +111,26 @@ class _Span:
         c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
         self.event["cpu"], self.event["wall"] = c1 - self._c0, w1 - self._w0
         self.trace._c_last = c1
+        if self.trace.exclusive is not None:
+            self.trace.exclusive.__exit__(*exc)
 
 
 class Trace:
     """The events of one rank (see the module docstring). ``meta`` describes the run (method,
     shape, ...) for the replay's checks; ``rank`` / ``world_size`` are filled by the first
-    message or collective when not given."""
+    message or collective when not given.
 
-    def __init__(self, *, rank: int | None = None, world_size: int | None = None, meta: dict | None = None):
+    ``exclusive``: a context manager (a lock shared by the ranks of one machine, such as
+    :class:`seqpar.bench.replay_validate.MachineLock`) entered around every compute segment, so
+    that no two ranks compute at once. For measuring on a machine with fewer cores than ranks: a
+    segment's CPU time is then that of the kernel alone on a core (not inflated by other ranks'
+    kernels evicting its caches), while the run's messages, order and dependencies are unchanged.
+    The run's wall clock is meaningless then (the ranks take turns); only its trace is used."""
+
+    def __init__(self, *, rank: int | None = None, world_size: int | None = None, meta: dict | None = None,
+                 exclusive=None):
         self.rank, self.world_size = rank, world_size
+        self.exclusive = exclusive
         self.meta = dict(meta or {})
         self.events: list[dict] = []
         self.phase = "fwd"
@@ -181,7 +196,7 @@ class Trace:
     # ----------------------------------------------------------------------------- files
     def to_dict(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "rank": self.rank, "world_size": self.world_size,
-                "meta": self.meta, "events": self.events}
+                "wall_origin_ns": self._w_origin, "meta": self.meta, "events": self.events}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n")
@@ -198,6 +213,7 @@ class Trace:
             raise ValueError(f"{source}: a trace needs an integer 'rank' and a list of 'events'")
         out = cls(rank=data["rank"], world_size=data.get("world_size"), meta=data.get("meta") or {})
         out.events = data["events"]
+        out._w_origin = int(data.get("wall_origin_ns", out._w_origin))
         return out
 
     @classmethod

@@ -4,6 +4,7 @@ cheaper), the published kernel rates, the flags, outputs and bad input; recorded
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import replace
@@ -126,8 +127,13 @@ def test_recorded_traces_replay_on_a_profile(tmp_path):
 
 def test_validation_against_runs_on_this_machine_works_end_to_end():
     """The machinery of benchmarks/validate_replay.py at a tiny size (its numbers need an idle machine)."""
-    from seqpar.bench.replay_validate import calibrate_link, cpu_machine, tracing_overhead, validate
     from seqpar.bench.core import BenchCase
+    from seqpar.bench.replay_validate import (
+        calibrate_link,
+        cpu_machine,
+        tracing_overhead,
+        validate,
+    )
     from seqpar.comm.pool import LocalRanks
 
     shape = {"seq_len": 64, "heads": 2, "kv_heads": 2, "head_dim": 8}
@@ -140,3 +146,54 @@ def test_validation_against_runs_on_this_machine_works_end_to_end():
     for r in rows:
         assert r["measured_s"] > 0 and r["replayed_s"] > 0 and r["efficiency"] > 0
     assert {"overhead_wall", "overhead_cpu"} <= set(over)
+
+
+def test_every_method_traces_with_its_ranks_computing_one_at_a_time(tmp_path):
+    """(b) of benchmarks/validate_replay.py: with the machine lock no method deadlocks (a compute segment
+    holds the lock and never waits on a message), no two ranks' segments overlap in time, and the
+    traces replay."""
+    from seqpar.bench.core import BenchCase
+    from seqpar.bench.replay_validate import (
+        MachineLock,
+        cpu_machine,
+        floor_traces,
+        run_case,
+        validate,
+    )
+    from seqpar.comm.pool import LocalRanks
+    from seqpar.methods import LINEAR_METHODS, METHODS
+
+    shape = {"seq_len": 96, "heads": 4, "kv_heads": 2, "head_dim": 8}
+    lock = MachineLock(str(tmp_path / "compute.lock"))
+    with LocalRanks() as ranks:
+        rows = validate(METHODS + LINEAR_METHODS, 4, shape, m=cpu_machine(1e9, 1e-5), ranks=ranks, repeats=2,
+                        warmup=0, ideal=True, exclusive=lock)
+        _, traces = run_case(ranks, BenchCase("allgather_kv", world_size=4, **shape), 1, 0, lock)
+    for r in rows:
+        assert r["exclusive"] and "error" not in r  # its wall clock says nothing: no error is claimed
+        assert r["replayed_s"] > 0 and r["efficiency_floor"] > 0, r["method"]
+    # every rank's compute segments, on one wall clock (perf_counter is system-wide): pairwise disjoint
+    spans = sorted((t["wall_origin_ns"] + e["w"], t["wall_origin_ns"] + e["w"] + e["wall"])
+                   for t in traces[0] for e in t["events"] if e["type"] == "compute")
+    assert len(spans) > 4 and all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    assert floor_traces(traces) is not None
+
+
+def test_validation_rounds_alternate_the_n_rank_and_one_rank_runs(monkeypatch):
+    """N, 1, 1, N, N, 1: a machine drifting in speed slows both alike; warm-up only before the first."""
+    import seqpar.bench.replay_validate as rv
+
+    calls = []
+
+    def fake_run_case(ranks, case, repeats, warmup, exclusive):
+        calls.append((case.world_size, warmup))
+        return [0.1] * repeats, [[{"rank": 0}] * case.world_size] * repeats
+
+    monkeypatch.setattr(rv, "run_case", fake_run_case)
+    shape = {"seq_len": 64, "heads": 2, "kv_heads": 2, "head_dim": 8}
+    measured, traces, one = rv._rounds(None, "ring", 4, shape, 2, 3, 3, True, None)
+    assert calls == [(4, 3), (1, 3), (1, 1), (4, 1), (4, 1), (1, 1)]
+    assert len(measured) == len(traces) == len(one) == 6 and len(traces[0]) == 4 and len(one[0]) == 1
+    calls.clear()
+    rv._rounds(None, "ring", 2, shape, 3, 1, 1, False, None)  # (a): the N-rank run only
+    assert calls == [(2, 1)]

@@ -172,7 +172,11 @@ def test_bad_recorders_and_files_raise(tmp_path):
 def _hf_traced(method: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from seqpar.integrations.hf import apply_context_parallel, context_parallel_loss, shard_inputs
+    from seqpar.integrations.hf import (
+        apply_context_parallel,
+        context_parallel_loss,
+        shard_inputs,
+    )
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -193,3 +197,53 @@ def test_a_transformers_model_is_traced_without_plumbing():
     for tr in traces:  # two decoder layers: two attention calls, forward and backward
         names = [e["name"] for e in tr.events if e["type"] == "begin"]
         assert names == ["attention fwd"] * 2 + ["attention bwd"] * 2
+
+
+def test_an_exclusive_trace_holds_its_lock_around_each_compute_segment_only():
+    """``Trace(exclusive=lock)``: the lock is held while a kernel runs and timed, never across messages."""
+    held = []
+
+    class Recorder:
+        def __enter__(self):
+            held.append("enter")
+
+        def __exit__(self, *exc):
+            held.append("exit")
+
+    rec = Trace(rank=0, world_size=2, exclusive=Recorder())
+    with rec.compute("block_fwd", flops=1.0, shape=(1, 2, 3, 4, 5, 6)):
+        assert held == ["enter"]
+    rec.send(0, 1, 8, chan="ring")
+    rec.wait([rec.last_id])
+    assert held == ["enter", "exit"]
+    with pytest.raises(RuntimeError), rec.compute("block_bwd"):
+        raise RuntimeError("the kernel failed")
+    assert held == ["enter", "exit", "enter", "exit"]  # released even when the kernel raises
+    assert rec.events[0]["cpu"] >= 0 and "exclusive" not in rec.to_dict()  # the lock is not part of the file
+
+
+def test_the_machine_lock_excludes_other_holders_reenters_and_pickles(tmp_path):
+    import pickle
+    import threading
+    import time
+
+    from seqpar.bench.replay_validate import MachineLock
+
+    path = str(tmp_path / "compute.lock")
+    first, second = MachineLock(path), pickle.loads(pickle.dumps(MachineLock(path)))
+    order = []
+
+    def other():
+        with second:  # another open file of the same path: as another rank process
+            order.append("second")
+
+    with first:
+        with first:  # re-entrant: a segment inside a segment keeps the lock
+            t = threading.Thread(target=other)
+            t.start()
+            time.sleep(0.2)
+            order.append("first")
+        time.sleep(0.1)
+        assert order == ["first"]  # the inner exit did not release it
+    t.join(5)
+    assert order == ["first", "second"]

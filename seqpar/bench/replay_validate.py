@@ -12,7 +12,10 @@ one-rank run, which thread CPU times make independent of how the cores were shar
 
 from __future__ import annotations
 
+import fcntl
+import os
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -28,6 +31,16 @@ from .machine import Machine
 from .replay import replay
 
 PINGPONG_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+
+# glibc's malloc settings for the rank processes of a validation (environment variables, read when a
+# process starts): keep freed memory instead of returning it to the system. By default glibc gives a
+# large freed block back (munmap), so every fresh large tensor page-faults its memory in again, and
+# those faults are CPU time of the kernel that allocates. Measured here (lasp2, one rank, T = 4096,
+# 3 repeats): steps of 368-460 ms by default, 265-284 ms with these; one kernel (the backward's
+# last) took 73-170 ms by default and 29-39 ms with them. Ten 64 MB element-wise ops: 327,700 page
+# faults and 0.63 s by default, 0 and 0.09 s with both settings (glibc 2.36). A GPU run does not
+# page-fault per tensor: PyTorch's CUDA caching allocator reuses its blocks, as glibc does here.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
 def _pingpong_on_rank(sizes, repeats: int) -> list[float]:
@@ -63,8 +76,43 @@ def cpu_machine(bandwidth: float, latency: float, name: str = "this machine") ->
                    inter_bw=bandwidth, intra_lat=latency, inter_lat=latency, kernels=None, host=True)
 
 
-def _case_on_rank(case: BenchCase, repeats: int, warmup: int) -> list[tuple[float, dict]]:
-    """Every repeat's (this rank's fwd+bwd wall seconds, trace) of ``case`` (the bench's call)."""
+class MachineLock:
+    """A lock shared by every process of this machine that names the same file (``flock``): the
+    ``exclusive`` of a :class:`seqpar.Trace`, so that the ranks' compute segments run one at a time.
+    Re-entrant within a process (a segment inside a segment keeps it); picklable (the path)."""
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        self._fd, self._depth, self._mutex = None, 0, None
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])
+
+    def __enter__(self) -> "MachineLock":
+        if self._mutex is None:
+            self._mutex = threading.RLock()
+        self._mutex.acquire()
+        if self._depth == 0:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._mutex.release()
+
+
+def _case_on_rank(case: BenchCase, repeats: int, warmup: int,
+                  exclusive: MachineLock | None = None) -> list[tuple[float, dict]]:
+    """Every repeat's (this rank's fwd+bwd wall seconds, trace) of ``case`` (the bench's call);
+    with ``exclusive``, the ranks compute one at a time (:class:`seqpar.Trace`)."""
     from seqpar.layouts import shard
 
     torch.set_num_threads(case.threads)
@@ -75,7 +123,8 @@ def _case_on_rank(case: BenchCase, repeats: int, warmup: int) -> list[tuple[floa
     out = []
     for i in range(warmup + repeats):
         rec = Trace(rank=rank, world_size=case.world_size, meta={"method": case.method,
-                                                                 "world_size": case.world_size})
+                                                                 "world_size": case.world_size},
+                    exclusive=exclusive)
         with trace(rec):
             _, fwd_ms, bwd_ms = _call(case, local, group, comm=comm)
         if i >= warmup:
@@ -85,9 +134,10 @@ def _case_on_rank(case: BenchCase, repeats: int, warmup: int) -> list[tuple[floa
     return out
 
 
-def run_case(ranks: LocalRanks, case: BenchCase, repeats: int = 3, warmup: int = 1) -> tuple[list, list]:
+def run_case(ranks: LocalRanks, case: BenchCase, repeats: int = 3, warmup: int = 1,
+             exclusive: MachineLock | None = None) -> tuple[list, list]:
     """(measured steps: the slowest rank per repeat, traces: per repeat the list of every rank's)."""
-    per_rank = ranks.run(_case_on_rank, case.world_size, case, repeats, warmup, timeout=3600)
+    per_rank = ranks.run(_case_on_rank, case.world_size, case, repeats, warmup, exclusive, timeout=3600)
     steps = [max(per_rank[r][i][0] for r in range(case.world_size)) for i in range(repeats)]
     traces = [[per_rank[r][i][1] for r in range(case.world_size)] for i in range(repeats)]
     return steps, traces
@@ -120,13 +170,15 @@ def _end(ev: dict) -> int:
     return ev["t"] + ev.get("cpu", 0) if ev["type"] == "compute" else ev["t"]
 
 
-def kernel_class_traces(repeats: list[list[dict]]) -> list[dict] | None:
-    """The median repeat (:func:`floor_traces` with the median), then every compute event's time
-    replaced by the median over every rank and repeat of the events of its class (name, shape,
-    mask): one time per kernel class, as a GPU kernel model has, so that noise on one rank's
-    segment no longer shows up as imbalance between ranks. None when the repeats' events differ."""
-    med = floor_traces(repeats, pick=lambda xs: sorted(xs)[len(xs) // 2])
-    if med is None:
+def kernel_class_traces(repeats: list[list[dict]], pick=statistics.median) -> list[dict] | None:
+    """:func:`floor_traces` with ``pick`` (default the median repeat), then every compute event's time
+    replaced by ``pick`` over every rank and repeat of the events of its class (name, shape, mask):
+    one time per kernel class, as a GPU kernel model has, so that noise on one rank's segment no
+    longer shows up as imbalance between ranks. With ``pick=min`` each class takes its least
+    disturbed time of all ranks x repeats samples (a kernel of one class does the same work on every
+    rank; on shared cores other work can only slow it down). None when the repeats' events differ."""
+    base = floor_traces(repeats, pick=pick)
+    if base is None:
         return None
     times: dict = {}
     for ranks in repeats:
@@ -135,12 +187,12 @@ def kernel_class_traces(repeats: list[list[dict]]) -> list[dict] | None:
                 if ev["type"] == "compute":
                     times.setdefault(_kernel_class(ev), []).append(ev["cpu"])
     out = []
-    for tr in med:
+    for tr in base:
         events, shift = [], 0
         for ev in tr["events"]:
             ev = dict(ev, t=ev["t"] + shift)
             if ev["type"] == "compute":
-                cpu = statistics.median(times[_kernel_class(ev)])
+                cpu = pick(times[_kernel_class(ev)])
                 shift += cpu - ev["cpu"]
                 ev["cpu"] = cpu
             events.append(ev)
@@ -153,37 +205,65 @@ def _kernel_class(ev: dict) -> tuple:
 
 
 def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalRanks, repeats: int = 3,
-             warmup: int = 1, ideal: bool = False) -> list[dict]:
+             warmup: int = 1, ideal: bool = False, exclusive: MachineLock | None = None,
+             rounds: int = 1) -> list[dict]:
     """One row per method: measured and replayed step (medians over repeats), their error,
     ``efficiency_own`` (the ranks' mean traced busy time over the replayed step: the schedule's
     imbalance, exposed communication and waiting, measured against the same run's own work), and
     with ``ideal`` the replayed efficiency against a replayed one-rank run (its step / N / the step),
     also for the :func:`floor_traces` of the repeats (``efficiency_floor``) and for their
-    :func:`kernel_class_traces` (``efficiency_class``)."""
+    :func:`kernel_class_traces` (``efficiency_class``).
+
+    With ``exclusive`` (a :class:`MachineLock`) the ranks compute one at a time, so each traced
+    kernel time is that kernel's alone on a core however many ranks share the cores; the measured
+    wall clock then says nothing about the method and the row has no ``error``. ``rounds`` > 1
+    takes the repeats in that many rounds of ``repeats`` each, the N-rank and one-rank runs in the
+    order N, 1, 1, N, ... so that a machine drifting in speed slows both alike; ``warmup`` steps
+    precede each world size's first round, one step the later ones."""
     rows = []
     for meth in methods:
-        case = BenchCase(meth, world_size=world_size, **shape)
-        measured, traces = run_case(ranks, case, repeats, warmup)
+        measured, traces, one = _rounds(ranks, meth, world_size, shape, repeats, warmup, rounds, ideal, exclusive)
         results = [replay(tr, m, expect={"method": meth, "world_size": world_size}) for tr in traces]
         replayed = [r.step_s for r in results]
         # the same run's traced work, perfectly divided: mean busy (compute + host) time over the step
         own = [statistics.mean(x.compute_s + x.host_s for x in r.ranks) / r.step_s for r in results]
         row = {"method": meth, "world_size": world_size, **shape, "measured_s": statistics.median(measured),
                "replayed_s": statistics.median(replayed), "measured_all": measured, "replayed_all": replayed,
-               "efficiency_own": statistics.median(own)}
-        row["error"] = row["replayed_s"] / row["measured_s"] - 1
+               "efficiency_own": statistics.median(own), "exclusive": exclusive is not None}
+        if exclusive is None:
+            row["error"] = row["replayed_s"] / row["measured_s"] - 1
         if ideal:
-            one_case = BenchCase(meth, world_size=1, **shape)
-            _, one = run_case(ranks, one_case, repeats, warmup)
-            t1 = statistics.median(replay(tr, m).step_s for tr in one)
-            row["replayed_one_s"] = t1
-            row["efficiency"] = t1 / world_size / row["replayed_s"]
-            for key, build in (("efficiency_floor", floor_traces), ("efficiency_class", kernel_class_traces)):
-                many, single = build(traces), build(one)
-                if many is not None and single is not None:
-                    row[key] = replay(single, m).step_s / world_size / replay(many, m).step_s
+            row.update(_against_one_rank(traces, one, row["replayed_s"], m))
         rows.append(row)
     return rows
+
+
+def _rounds(ranks, meth, world_size, shape, repeats, warmup, rounds, ideal, exclusive) -> tuple[list, list, list]:
+    """(measured steps, N-rank traces, one-rank traces or []) of :func:`validate`'s rounds."""
+    many, single = BenchCase(meth, world_size=world_size, **shape), BenchCase(meth, world_size=1, **shape)
+    measured, traces, one = [], [], []
+    for r in range(rounds):
+        order = (many, single) if r % 2 == 0 else (single, many)
+        for case in order if ideal else (many,):
+            steps, trs = run_case(ranks, case, repeats, warmup if r == 0 else 1, exclusive)
+            if case is many:
+                measured += steps
+                traces += trs
+            else:
+                one += trs
+    return measured, traces, one
+
+
+def _against_one_rank(traces, one, replayed_s, m) -> dict:
+    """The efficiencies of :func:`validate` against the replayed one-rank run of the same method."""
+    n = len(traces[0])
+    t1 = statistics.median(replay(tr, m).step_s for tr in one)
+    out = {"replayed_one_s": t1, "efficiency": t1 / n / replayed_s}
+    for key, build in (("efficiency_floor", floor_traces), ("efficiency_class", kernel_class_traces)):
+        many, single = build(traces), build(one)
+        if many is not None and single is not None:
+            out[key] = replay(single, m).step_s / n / replay(many, m).step_s
+    return out
 
 
 def tracing_overhead(ranks: LocalRanks, case: BenchCase, repeats: int = 5) -> dict:
@@ -218,4 +298,5 @@ def _overhead_on_rank(case: BenchCase, repeats: int) -> list[tuple[float, float,
     return out
 
 
-__all__ = ["calibrate_link", "cpu_machine", "run_case", "tracing_overhead", "validate"]
+__all__ = ["STEADY_MALLOC", "MachineLock", "calibrate_link", "cpu_machine", "floor_traces", "kernel_class_traces",
+           "run_case", "tracing_overhead", "validate"]
