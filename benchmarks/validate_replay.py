@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             for row in entry["n2"]:
                 print(f"run {run} N=2 {row['method']:13s} measured {row['measured_s'] * 1e3:8.1f} ms  replayed "
                       f"{row['replayed_s'] * 1e3:8.1f} ms  error {row['error']:+.1%}", flush=True)
-    result["summary"] = summarize(result, methods, [int(x) for x in args.world_sizes_b.split(",")])
+    result["summary"] = summarize(result, [int(x) for x in args.world_sizes_b.split(",")])
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1, default=float)
     with open(os.path.splitext(args.out)[0] + ".md", "w") as fh:
@@ -151,20 +151,21 @@ def _key(row: dict) -> str:
     return f"{row['method']} T={row['seq_len']} N={row['world_size']}"
 
 
-def summarize(result: dict, methods, sizes) -> dict:
+def summarize(result: dict, sizes) -> dict:
     runs = result["runs"]
     worst = max(abs(r["error"]) for run in runs for r in run["n2"])
     spreads: dict = {name: {} for _, name in ESTIMATORS}
+    judged = []  # the softmax methods at --seq-len, the linear methods at the first --linear-seq-lens-b
     for n in sizes:
         for row in runs[0][f"n{n}"]:
             same = [next(r for r in run[f"n{n}"] if _key(r) == _key(row)) for run in runs]
             for key, name in ESTIMATORS:
                 effs = [r.get(key, float("nan")) for r in same]
                 spreads[name][_key(row)] = (max(effs) - min(effs)) / statistics.mean(effs)
-    # judged: the softmax methods at --seq-len, the linear methods at the first --linear-seq-lens-b
-    judged_t = {m: (result["linear_seq_len_b"] if m in LINEAR_METHODS else result["shape"]["seq_len"])
-                for m in methods}
-    floor = {k: v for k, v in spreads["floor"].items() if f"T={judged_t[k.split()[0]]} " in k}
+            linear = row["method"] in LINEAR_METHODS
+            if row["seq_len"] == (result["linear_seq_len_b"] if linear else result["shape"]["seq_len"]):
+                judged.append(_key(row))
+    floor = {k: spreads["floor"][k] for k in judged}
     return {"n2_max_abs_error": worst, "n2_within_10pct": worst <= 0.10,
             "n2_max_abs_error_per_run": [max(abs(r["error"]) for r in run["n2"]) for run in runs],
             "efficiency_max_spread": max(floor.values()), "spread_within_3pct": max(floor.values()) <= 0.03,

@@ -127,13 +127,8 @@ def test_recorded_traces_replay_on_a_profile(tmp_path):
 
 def test_validation_against_runs_on_this_machine_works_end_to_end():
     """The machinery of benchmarks/validate_replay.py at a tiny size (its numbers need an idle machine)."""
+    from seqpar.bench.replay_validate import calibrate_link, cpu_machine, tracing_overhead, validate
     from seqpar.bench.core import BenchCase
-    from seqpar.bench.replay_validate import (
-        calibrate_link,
-        cpu_machine,
-        tracing_overhead,
-        validate,
-    )
     from seqpar.comm.pool import LocalRanks
 
     shape = {"seq_len": 64, "heads": 2, "kv_heads": 2, "head_dim": 8}
@@ -153,13 +148,7 @@ def test_every_method_traces_with_its_ranks_computing_one_at_a_time(tmp_path):
     holds the lock and never waits on a message), no two ranks' segments overlap in time, and the
     traces replay."""
     from seqpar.bench.core import BenchCase
-    from seqpar.bench.replay_validate import (
-        MachineLock,
-        cpu_machine,
-        floor_traces,
-        run_case,
-        validate,
-    )
+    from seqpar.bench.replay_validate import MachineLock, cpu_machine, floor_traces, run_case, validate
     from seqpar.comm.pool import LocalRanks
     from seqpar.methods import LINEAR_METHODS, METHODS
 

@@ -172,11 +172,7 @@ def test_bad_recorders_and_files_raise(tmp_path):
 def _hf_traced(method: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from seqpar.integrations.hf import (
-        apply_context_parallel,
-        context_parallel_loss,
-        shard_inputs,
-    )
+    from seqpar.integrations.hf import apply_context_parallel, context_parallel_loss, shard_inputs
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -170,15 +170,13 @@ def _end(ev: dict) -> int:
     return ev["t"] + ev.get("cpu", 0) if ev["type"] == "compute" else ev["t"]
 
 
-def kernel_class_traces(repeats: list[list[dict]], pick=statistics.median) -> list[dict] | None:
-    """:func:`floor_traces` with ``pick`` (default the median repeat), then every compute event's time
-    replaced by ``pick`` over every rank and repeat of the events of its class (name, shape, mask):
-    one time per kernel class, as a GPU kernel model has, so that noise on one rank's segment no
-    longer shows up as imbalance between ranks. With ``pick=min`` each class takes its least
-    disturbed time of all ranks x repeats samples (a kernel of one class does the same work on every
-    rank; on shared cores other work can only slow it down). None when the repeats' events differ."""
-    base = floor_traces(repeats, pick=pick)
-    if base is None:
+def kernel_class_traces(repeats: list[list[dict]]) -> list[dict] | None:
+    """The median repeat (:func:`floor_traces` with the median), then every compute event's time
+    replaced by the median over every rank and repeat of the events of its class (name, shape,
+    mask): one time per kernel class, as a GPU kernel model has, so that noise on one rank's
+    segment no longer shows up as imbalance between ranks. None when the repeats' events differ."""
+    med = floor_traces(repeats, pick=statistics.median)
+    if med is None:
         return None
     times: dict = {}
     for ranks in repeats:
@@ -187,12 +185,12 @@ def kernel_class_traces(repeats: list[list[dict]], pick=statistics.median) -> li
                 if ev["type"] == "compute":
                     times.setdefault(_kernel_class(ev), []).append(ev["cpu"])
     out = []
-    for tr in base:
+    for tr in med:
         events, shift = [], 0
         for ev in tr["events"]:
             ev = dict(ev, t=ev["t"] + shift)
             if ev["type"] == "compute":
-                cpu = pick(times[_kernel_class(ev)])
+                cpu = statistics.median(times[_kernel_class(ev)])
                 shift += cpu - ev["cpu"]
                 ev["cpu"] = cpu
             events.append(ev)
