@@ -6,14 +6,15 @@
 (b) N = 4 and 8 on this machine's cores: the replayed efficiency of every method (replayed
     one-rank step / N / replayed step) in each run; its spread across runs (target: <= 3%). The
     ranks compute one at a time (``seqpar.Trace(exclusive=...)``: each kernel's CPU time is its own
-    on a core, not inflated by the other ranks' kernels); the N-rank and one-rank runs alternate
-    (N, 1, 1, N: ``--rounds-b`` rounds of ``--repeats-b``) so that the machine's drifting speed
-    slows both alike; and the efficiency is taken from each segment's least disturbed time over
-    all repeats (``floor_traces``). The softmax methods run at ``--seq-len``; the linear methods are
-    judged at the first of ``--linear-seq-lens-b`` (16384: a one-rank step of about 1 s, as the
-    softmax methods' at 4096; at 4096 theirs is 0.25 s, tens of ms per rank at N = 8, where this
-    machine's speed jitter of a few percent between samples is the whole spread) and shown at the
-    others.
+    on a core, not inflated by the other ranks' kernels); every N-rank step is followed by the
+    one-rank step of the same method in rank 0's process (``run_case(paired=True)``), so that both
+    see the machine at the same speed; and the efficiency is taken from each segment's least
+    disturbed time over the ``--repeats-b`` repeats (``floor_traces``). The softmax methods run at
+    ``--seq-len``; the linear methods are judged at the first of ``--linear-seq-lens-b`` (32768:
+    every rank's inputs at N <= 8 are larger than this machine's 32 MB L3 cache, as the one-rank
+    step's are; at 16384 and N = 8 a rank's inputs are 21 MB, and how fast its kernels run then
+    depends on how much of the L3, shared with other tenants, is free, which the one-rank step does
+    not) and shown at the others.
 (c) the tracing overhead: traced and untraced steps interleaved (target: <= 5%).
 
 Needs an idle machine (the wall clocks of (a) are meaningless when other jobs share the cores):
@@ -81,15 +82,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--repeats-b", type=int, default=4, help="repeats per round of (b) (its floor is over all rounds)")
-    p.add_argument("--rounds-b", type=int, default=2, help="rounds of (b): N-rank and one-rank runs as N, 1, 1, N")
+    p.add_argument("--repeats-b", type=int, default=8,
+                   help="repeats of (b), each an N-rank step and a one-rank step (its floor is over all of them)")
     p.add_argument("--warmup-b", type=int, default=3,
                    help="untimed steps before (b)'s repeats (until the allocator's heap stops growing)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--world-sizes-b", default="4,8")
-    p.add_argument("--linear-seq-lens-b", default="16384,4096",
+    p.add_argument("--linear-seq-lens-b", default="32768,16384",
                    help="the linear methods' T in (b); the target is judged on the first (see the docstring)")
     p.add_argument("--methods", default=",".join(METHODS + LINEAR_METHODS))
     p.add_argument("--max-load", type=float, default=0.5)
@@ -119,14 +120,13 @@ def main(argv=None) -> int:
                 print(f"run {run}: the machine did not become idle within --wait {args.wait} s; running anyway "
                       f"(load {_load():.2f}; recorded)", file=sys.stderr)
             entry = {"run": run, "load_before": _load(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                     "repeats_b": args.repeats_b, "rounds_b": args.rounds_b, "warmup_b": args.warmup_b}
+                     "repeats_b": args.repeats_b, "warmup_b": args.warmup_b, "paired_b": True}
             entry["n2"] = validate(methods, 2, shape, m=m, ranks=ranks, repeats=args.repeats)
             for n in (int(x) for x in args.world_sizes_b.split(",")):
                 entry[f"n{n}"] = []
                 for group, sh in _groups_b(methods, shape, args.linear_seq_lens_b):
                     entry[f"n{n}"] += validate(group, n, sh, m=m, ranks=ranks, repeats=args.repeats_b,
-                                               warmup=args.warmup_b, ideal=True, exclusive=lock,
-                                               rounds=args.rounds_b)
+                                               warmup=args.warmup_b, ideal=True, exclusive=lock)
             entry["overhead"] = tracing_overhead(ranks, BenchCase("zigzag_ring", world_size=2, **shape))
             entry["load_after"] = _load()
             result["runs"].append(entry)
@@ -200,11 +200,11 @@ def markdown(result: dict, methods, sizes) -> str:
     lines += ["", f"Largest |error|: {summ['n2_max_abs_error']:.1%} (per run: "
               + ", ".join(f"{e:.1%}" for e in summ["n2_max_abs_error_per_run"]) + "; target 10%).", "",
               "## (b) N = 4 and 8 on 2 cores: replayed efficiency per run and its spread", "",
-              f"The ranks compute one at a time (`Trace(exclusive=...)`); per run {runs[0]['rounds_b']} rounds of "
-              f"{runs[0]['repeats_b']} repeats, the N-rank and one-rank runs in the order N, 1, 1, N, after "
-              f"{runs[0]['warmup_b']} untimed steps. The softmax methods at T = {sh['seq_len']}; the linear methods "
-              f"are judged at T = {result['linear_seq_len_b']}, where their one-rank step is about as much work as "
-              "the softmax methods' (about 1 s), and shown at the other lengths too. "
+              f"The ranks compute one at a time (`Trace(exclusive=...)`); per run {runs[0]['repeats_b']} repeats "
+              f"after {runs[0]['warmup_b']} untimed steps, each an N-rank step followed by the one-rank step in "
+              f"rank 0's process. The softmax methods at T = {sh['seq_len']}; the linear methods are judged at "
+              f"T = {result['linear_seq_len_b']}, where every rank's inputs are larger than the 32 MB L3 cache at "
+              "N <= 8, and shown at the other lengths too. "
               "`floor` (the target's estimator): the replayed one-rank step / N / the replayed step, both from each "
               "segment's least disturbed time over the repeats (`floor_traces`); `median`: the same from each "
               "repeat's traces as recorded (median over the repeats); `class`: one median time per kernel class "

@@ -157,32 +157,48 @@ def test_every_method_traces_with_its_ranks_computing_one_at_a_time(tmp_path):
     with LocalRanks() as ranks:
         rows = validate(METHODS + LINEAR_METHODS, 4, shape, m=cpu_machine(1e9, 1e-5), ranks=ranks, repeats=2,
                         warmup=0, ideal=True, exclusive=lock)
-        _, traces = run_case(ranks, BenchCase("allgather_kv", world_size=4, **shape), 1, 0, lock)
+        _, traces, one = run_case(ranks, BenchCase("allgather_kv", world_size=4, **shape), 1, 0, lock, paired=True)
     for r in rows:
         assert r["exclusive"] and "error" not in r  # its wall clock says nothing: no error is claimed
         assert r["replayed_s"] > 0 and r["efficiency_floor"] > 0, r["method"]
     # every rank's compute segments, on one wall clock (perf_counter is system-wide): pairwise disjoint
+    # (the one-rank run of the repeat included: it follows the N-rank step in rank 0's process)
     spans = sorted((t["wall_origin_ns"] + e["w"], t["wall_origin_ns"] + e["w"] + e["wall"])
-                   for t in traces[0] for e in t["events"] if e["type"] == "compute")
+                   for t in traces[0] + one[0] for e in t["events"] if e["type"] == "compute")
     assert len(spans) > 4 and all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    assert one[0][0]["world_size"] == 1 and min(s for s, _ in spans) < one[0][0]["wall_origin_ns"]
     assert floor_traces(traces) is not None
 
 
-def test_validation_rounds_alternate_the_n_rank_and_one_rank_runs(monkeypatch):
-    """N, 1, 1, N, N, 1: a machine drifting in speed slows both alike; warm-up only before the first."""
-    import seqpar.bench.replay_validate as rv
+def _compute_span(traces: list[dict]) -> tuple[int, int]:
+    """(first start, last end) of the compute segments of some ranks' traces, on one wall clock."""
+    spans = [(t["wall_origin_ns"] + e["w"], t["wall_origin_ns"] + e["w"] + e["wall"])
+             for t in traces for e in t["events"] if e["type"] == "compute"]
+    return min(a for a, _ in spans), max(b for _, b in spans)
 
-    calls = []
 
-    def fake_run_case(ranks, case, repeats, warmup, exclusive):
-        calls.append((case.world_size, warmup))
-        return [0.1] * repeats, [[{"rank": 0}] * case.world_size] * repeats
+def test_validation_pairs_every_n_rank_step_with_a_one_rank_step():
+    """(b): the one-rank reference of each repeat runs right after that repeat's N-rank step, in rank 0's
+    process on a group of its own, so that both see the machine at the same speed; and it computes the
+    same attention as a one-device run."""
+    from seqpar.bench.core import BenchCase
+    from seqpar.bench.replay_validate import run_case
+    from seqpar.comm.pool import LocalRanks
 
-    monkeypatch.setattr(rv, "run_case", fake_run_case)
-    shape = {"seq_len": 64, "heads": 2, "kv_heads": 2, "head_dim": 8}
-    measured, traces, one = rv._rounds(None, "ring", 4, shape, 2, 3, 3, True, None)
-    assert calls == [(4, 3), (1, 3), (1, 1), (4, 1), (4, 1), (1, 1)]
-    assert len(measured) == len(traces) == len(one) == 6 and len(traces[0]) == 4 and len(one[0]) == 1
-    calls.clear()
-    rv._rounds(None, "ring", 2, shape, 3, 1, 1, False, None)  # (a): the N-rank run only
-    assert calls == [(2, 1)]
+    shape = {"seq_len": 96, "heads": 2, "kv_heads": 2, "head_dim": 8}
+    with LocalRanks() as ranks:
+        for meth in ("token_ring", "usp", "zeco"):
+            steps, traces, one = run_case(ranks, BenchCase(meth, world_size=3 if meth == "zeco" else 2, **shape),
+                                          3, 1, paired=True)
+            _, _, single = run_case(ranks, BenchCase(meth, world_size=1, **shape), 1, 0, paired=True)
+            assert len(steps) == len(traces) == len(one) == 3 and all(len(o) == 1 for o in one)
+            for i, (n_rank, o) in enumerate(zip(traces, one)):
+                t = o[0]
+                assert t["world_size"] == 1 and t["rank"] == 0 and t["meta"]["world_size"] == 1
+                # its compute after this repeat's N-rank step (every rank's), before the next one's
+                assert _compute_span(o)[0] > _compute_span(n_rank)[1]
+                if i + 1 < len(traces):
+                    assert _compute_span(o)[1] < _compute_span(traces[i + 1])[0]
+                # the same kernels as a one-device run of the whole sequence
+                assert [(e["name"], e.get("shape")) for e in t["events"] if e["type"] == "compute"] == \
+                    [(e["name"], e.get("shape")) for e in single[0][0]["events"] if e["type"] == "compute"], meth

@@ -17,6 +17,7 @@ import os
 import statistics
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -109,38 +110,59 @@ class MachineLock:
         self._mutex.release()
 
 
-def _case_on_rank(case: BenchCase, repeats: int, warmup: int,
-                  exclusive: MachineLock | None = None) -> list[tuple[float, dict]]:
-    """Every repeat's (this rank's fwd+bwd wall seconds, trace) of ``case`` (the bench's call);
-    with ``exclusive``, the ranks compute one at a time (:class:`seqpar.Trace`)."""
+def _case_on_rank(case: BenchCase, repeats: int, warmup: int, exclusive: MachineLock | None = None,
+                  paired: bool = False) -> list[tuple[float, dict, dict | None]]:
+    """Every repeat's (this rank's fwd+bwd wall seconds, trace, one-rank trace or None) of ``case``
+    (the bench's call); with ``exclusive``, the ranks compute one at a time (:class:`seqpar.Trace`).
+    With ``paired``, rank 0 runs the same method on one rank (the whole sequence, a group of its own)
+    after every N-rank step, while the other ranks wait: the one-rank reference of each repeat is
+    measured seconds after that repeat, in the same processes."""
     from seqpar.layouts import shard
 
     torch.set_num_threads(case.threads)
     group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
     rank = dist.get_rank() if dist.is_initialized() else 0
-    local = [shard(t, method=case.method, group=group) for t in _inputs(case, torch.device("cpu"))]
+    full = _inputs(case, torch.device("cpu"))
+    local = [shard(t, method=case.method, group=group) for t in full]
     comm = TokenRingGroups(group) if group is not None and case.method in _TWO_WAY else None
+    one = None
+    if paired:  # every rank takes part in creating a group, rank 0 alone is in it
+        one = (replace(case, world_size=1), dist.new_group([0]) if group is not None else None)
     out = []
     for i in range(warmup + repeats):
-        rec = Trace(rank=rank, world_size=case.world_size, meta={"method": case.method,
-                                                                 "world_size": case.world_size},
-                    exclusive=exclusive)
+        rec = _trace(case, rank, case.world_size, exclusive)
         with trace(rec):
             _, fwd_ms, bwd_ms = _call(case, local, group, comm=comm)
+        rec1 = None
+        if one is not None:
+            if group is not None:
+                dist.barrier(group)  # the N-rank step is over on every rank
+            if rank == 0:
+                rec1 = _trace(case, 0, 1, exclusive)
+                with trace(rec1):
+                    _call(one[0], full, one[1])
+                rec1 = rec1.to_dict()
         if i >= warmup:
-            out.append(((fwd_ms + bwd_ms) * 1e-3, rec.to_dict()))
+            out.append(((fwd_ms + bwd_ms) * 1e-3, rec.to_dict(), rec1))
     if comm is not None:
         comm.destroy()
     return out
 
 
+def _trace(case: BenchCase, rank: int, world_size: int, exclusive) -> Trace:
+    return Trace(rank=rank, world_size=world_size, meta={"method": case.method, "world_size": world_size},
+                 exclusive=exclusive)
+
+
 def run_case(ranks: LocalRanks, case: BenchCase, repeats: int = 3, warmup: int = 1,
-             exclusive: MachineLock | None = None) -> tuple[list, list]:
-    """(measured steps: the slowest rank per repeat, traces: per repeat the list of every rank's)."""
-    per_rank = ranks.run(_case_on_rank, case.world_size, case, repeats, warmup, exclusive, timeout=3600)
+             exclusive: MachineLock | None = None, paired: bool = False) -> tuple[list, list, list]:
+    """(measured steps: the slowest rank per repeat, traces: per repeat the list of every rank's,
+    one-rank traces: per repeat a list of one trace with ``paired``, else [])."""
+    per_rank = ranks.run(_case_on_rank, case.world_size, case, repeats, warmup, exclusive, paired, timeout=3600)
     steps = [max(per_rank[r][i][0] for r in range(case.world_size)) for i in range(repeats)]
     traces = [[per_rank[r][i][1] for r in range(case.world_size)] for i in range(repeats)]
-    return steps, traces
+    one = [[per_rank[0][i][2]] for i in range(repeats)] if paired else []
+    return steps, traces, one
 
 
 def floor_traces(repeats: list[list[dict]], pick=min) -> list[dict] | None:
@@ -203,24 +225,23 @@ def _kernel_class(ev: dict) -> tuple:
 
 
 def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalRanks, repeats: int = 3,
-             warmup: int = 1, ideal: bool = False, exclusive: MachineLock | None = None,
-             rounds: int = 1) -> list[dict]:
+             warmup: int = 1, ideal: bool = False, exclusive: MachineLock | None = None) -> list[dict]:
     """One row per method: measured and replayed step (medians over repeats), their error,
     ``efficiency_own`` (the ranks' mean traced busy time over the replayed step: the schedule's
     imbalance, exposed communication and waiting, measured against the same run's own work), and
     with ``ideal`` the replayed efficiency against a replayed one-rank run (its step / N / the step),
     also for the :func:`floor_traces` of the repeats (``efficiency_floor``) and for their
-    :func:`kernel_class_traces` (``efficiency_class``).
+    :func:`kernel_class_traces` (``efficiency_class``). The one-rank run of each repeat follows the
+    N-rank step in the same processes (:func:`run_case` ``paired``), so a machine that drifts in
+    speed slows both alike.
 
     With ``exclusive`` (a :class:`MachineLock`) the ranks compute one at a time, so each traced
     kernel time is that kernel's alone on a core however many ranks share the cores; the measured
-    wall clock then says nothing about the method and the row has no ``error``. ``rounds`` > 1
-    takes the repeats in that many rounds of ``repeats`` each, the N-rank and one-rank runs in the
-    order N, 1, 1, N, ... so that a machine drifting in speed slows both alike; ``warmup`` steps
-    precede each world size's first round, one step the later ones."""
+    wall clock then says nothing about the method and the row has no ``error``."""
     rows = []
     for meth in methods:
-        measured, traces, one = _rounds(ranks, meth, world_size, shape, repeats, warmup, rounds, ideal, exclusive)
+        case = BenchCase(meth, world_size=world_size, **shape)
+        measured, traces, one = run_case(ranks, case, repeats, warmup, exclusive, paired=ideal)
         results = [replay(tr, m, expect={"method": meth, "world_size": world_size}) for tr in traces]
         replayed = [r.step_s for r in results]
         # the same run's traced work, perfectly divided: mean busy (compute + host) time over the step
@@ -234,22 +255,6 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
             row.update(_against_one_rank(traces, one, row["replayed_s"], m))
         rows.append(row)
     return rows
-
-
-def _rounds(ranks, meth, world_size, shape, repeats, warmup, rounds, ideal, exclusive) -> tuple[list, list, list]:
-    """(measured steps, N-rank traces, one-rank traces or []) of :func:`validate`'s rounds."""
-    many, single = BenchCase(meth, world_size=world_size, **shape), BenchCase(meth, world_size=1, **shape)
-    measured, traces, one = [], [], []
-    for r in range(rounds):
-        order = (many, single) if r % 2 == 0 else (single, many)
-        for case in order if ideal else (many,):
-            steps, trs = run_case(ranks, case, repeats, warmup if r == 0 else 1, exclusive)
-            if case is many:
-                measured += steps
-                traces += trs
-            else:
-                one += trs
-    return measured, traces, one
 
 
 def _against_one_rank(traces, one, replayed_s, m) -> dict:
