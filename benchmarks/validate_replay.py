@@ -6,7 +6,9 @@
 (b) N = 4 and 8 on this machine's cores: the replayed efficiency of every method (replayed
     one-rank step / N / replayed step) in each run; its spread across runs (target: <= 3%). The
     ranks compute one at a time (``seqpar.Trace(exclusive=...)``: each kernel's CPU time is its own
-    on a core, not inflated by the other ranks' kernels); every N-rank step is followed by the
+    on a core, not inflated by the other ranks' kernels), all on the same core (``one_core``: which
+    of this VM's two cores a rank's kernels landed on changed from run to run, and with it the
+    efficiency); every N-rank step is followed by the
     one-rank step of the same method in rank 0's process (``run_case(paired=True)``), so that both
     see the machine at the same speed; and the efficiency is taken from each segment's least
     disturbed time over the ``--repeats-b`` repeats (``floor_traces``). The softmax methods run at
@@ -120,7 +122,8 @@ def main(argv=None) -> int:
                 print(f"run {run}: the machine did not become idle within --wait {args.wait} s; running anyway "
                       f"(load {_load():.2f}; recorded)", file=sys.stderr)
             entry = {"run": run, "load_before": _load(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                     "repeats_b": args.repeats_b, "warmup_b": args.warmup_b, "paired_b": True}
+                     "repeats_b": args.repeats_b, "warmup_b": args.warmup_b, "paired_b": True,
+                     "one_core_b": True}
             entry["n2"] = validate(methods, 2, shape, m=m, ranks=ranks, repeats=args.repeats)
             for n in (int(x) for x in args.world_sizes_b.split(",")):
                 entry[f"n{n}"] = []
@@ -200,7 +203,9 @@ def markdown(result: dict, methods, sizes) -> str:
     lines += ["", f"Largest |error|: {summ['n2_max_abs_error']:.1%} (per run: "
               + ", ".join(f"{e:.1%}" for e in summ["n2_max_abs_error_per_run"]) + "; target 10%).", "",
               "## (b) N = 4 and 8 on 2 cores: replayed efficiency per run and its spread", "",
-              f"The ranks compute one at a time (`Trace(exclusive=...)`); per run {runs[0]['repeats_b']} repeats "
+              "The ranks compute one at a time (`Trace(exclusive=...)`)"
+              + (", all on one core (`one_core`)" if runs[0].get("one_core_b") else "")
+              + f"; per run {runs[0]['repeats_b']} repeats "
               f"after {runs[0]['warmup_b']} untimed steps, each an N-rank step followed by the one-rank step in "
               f"rank 0's process. The softmax methods at T = {sh['seq_len']}; the linear methods are judged at "
               f"T = {result['linear_seq_len_b']}, where every rank's inputs are larger than the 32 MB L3 cache at "

@@ -168,6 +168,24 @@ def test_every_method_traces_with_its_ranks_computing_one_at_a_time(tmp_path):
     assert len(spans) > 4 and all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
     assert one[0][0]["world_size"] == 1 and min(s for s, _ in spans) < one[0][0]["wall_origin_ns"]
     assert floor_traces(traces) is not None
+    # every rank's kernels and the one-rank step's ran on the same single core (one_core)
+    cpus = {tuple(t["meta"]["cpus"]) for t in traces[0] + one[0]}
+    assert len(cpus) == 1 and len(next(iter(cpus))) == 1, cpus
+
+
+def test_one_core_pins_the_thread_and_restores_it():
+    """The ranks of (b) compute on one core; the pool's workers get their affinity back afterwards."""
+    import os
+
+    from seqpar.bench.replay_validate import one_core
+
+    before = os.sched_getaffinity(0)
+    with one_core() as cpu:
+        assert os.sched_getaffinity(0) == {cpu} and cpu == min(before)
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(RuntimeError), one_core():
+        raise RuntimeError("a failing case")
+    assert os.sched_getaffinity(0) == before
 
 
 def _compute_span(traces: list[dict]) -> tuple[int, int]:

@@ -12,6 +12,7 @@ one-rank run, which thread CPU times make independent of how the cores were shar
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import statistics
@@ -110,13 +111,33 @@ class MachineLock:
         self._mutex.release()
 
 
+@contextlib.contextmanager
+def one_core():
+    """Run this thread on one CPU (the first this process may use) inside the block, then restore its
+    affinity. :func:`_case_on_rank` pins every rank's compute thread to the same CPU when the ranks
+    compute one at a time: each kernel (of every rank, and of the paired one-rank step) then runs on
+    the same core, with that core's caches and its share of the host; the threads started before
+    (gloo's) keep their affinity."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        yield min(before)
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def _case_on_rank(case: BenchCase, repeats: int, warmup: int, exclusive: MachineLock | None = None,
                   paired: bool = False) -> list[tuple[float, dict, dict | None]]:
     """Every repeat's (this rank's fwd+bwd wall seconds, trace, one-rank trace or None) of ``case``
-    (the bench's call); with ``exclusive``, the ranks compute one at a time (:class:`seqpar.Trace`).
-    With ``paired``, rank 0 runs the same method on one rank (the whole sequence, a group of its own)
-    after every N-rank step, while the other ranks wait: the one-rank reference of each repeat is
-    measured seconds after that repeat, in the same processes."""
+    (the bench's call); with ``exclusive``, the ranks compute one at a time (:class:`seqpar.Trace`),
+    all on one core (:func:`one_core`). With ``paired``, rank 0 runs the same method on one rank (the
+    whole sequence, a group of its own) after every N-rank step, while the other ranks wait: the
+    one-rank reference of each repeat is measured seconds after that repeat, in the same processes."""
+    with one_core() if exclusive is not None else contextlib.nullcontext():
+        return _repeats_on_rank(case, repeats, warmup, exclusive, paired)
+
+
+def _repeats_on_rank(case: BenchCase, repeats: int, warmup: int, exclusive, paired: bool) -> list:
     from seqpar.layouts import shard
 
     torch.set_num_threads(case.threads)
@@ -150,8 +171,8 @@ def _case_on_rank(case: BenchCase, repeats: int, warmup: int, exclusive: Machine
 
 
 def _trace(case: BenchCase, rank: int, world_size: int, exclusive) -> Trace:
-    return Trace(rank=rank, world_size=world_size, meta={"method": case.method, "world_size": world_size},
-                 exclusive=exclusive)
+    return Trace(rank=rank, world_size=world_size, exclusive=exclusive,
+                 meta={"method": case.method, "world_size": world_size, "cpus": sorted(os.sched_getaffinity(0))})
 
 
 def run_case(ranks: LocalRanks, case: BenchCase, repeats: int = 3, warmup: int = 1,
@@ -235,8 +256,9 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
     N-rank step in the same processes (:func:`run_case` ``paired``), so a machine that drifts in
     speed slows both alike.
 
-    With ``exclusive`` (a :class:`MachineLock`) the ranks compute one at a time, so each traced
-    kernel time is that kernel's alone on a core however many ranks share the cores; the measured
+    With ``exclusive`` (a :class:`MachineLock`) the ranks compute one at a time, all on one core
+    (:func:`one_core`), so each traced kernel time is that kernel's alone on that core however many
+    ranks share the cores; the measured
     wall clock then says nothing about the method and the row has no ``error``."""
     rows = []
     for meth in methods:
@@ -302,4 +324,4 @@ def _overhead_on_rank(case: BenchCase, repeats: int) -> list[tuple[float, float,
 
 
 __all__ = ["STEADY_MALLOC", "MachineLock", "calibrate_link", "cpu_machine", "floor_traces", "kernel_class_traces",
-           "run_case", "tracing_overhead", "validate"]
+           "one_core", "run_case", "tracing_overhead", "validate"]
