@@ -6,10 +6,10 @@
 (b) N = 4 and 8 on this machine's cores: the replayed efficiency of every method (replayed
     one-rank step / N / replayed step) in each run; its spread across runs (target: <= 3%). The
     ranks compute one at a time (``seqpar.Trace(exclusive=...)``: each kernel's CPU time is its own
-    on a core, not inflated by the other ranks' kernels), all on the same core (``one_core``: which
-    of this VM's two cores a rank's kernels landed on changed from run to run, and with it the
-    efficiency); every N-rank step is followed by the
-    one-rank step of the same method in rank 0's process (``run_case(paired=True)``), so that both
+    on a core, not inflated by the other ranks' kernels), all on the same core (``one_core``: unpinned,
+    the efficiency moved from one set of rank processes to the next, likely with which of this VM's
+    two cores each rank's kernels landed on); every N-rank step is followed by the one-rank step of
+    the same method in rank 0's process (``run_case(paired=True)``), so that both
     see the machine at the same speed; and the efficiency is taken from each segment's least
     disturbed time over the ``--repeats-b`` repeats (``floor_traces``). The softmax methods run at
     ``--seq-len``; the linear methods are judged at the first of ``--linear-seq-lens-b`` (32768:

@@ -163,8 +163,7 @@ def test_every_method_traces_with_its_ranks_computing_one_at_a_time(tmp_path):
         assert r["replayed_s"] > 0 and r["efficiency_floor"] > 0, r["method"]
     # every rank's compute segments, on one wall clock (perf_counter is system-wide): pairwise disjoint
     # (the one-rank run of the repeat included: it follows the N-rank step in rank 0's process)
-    spans = sorted((t["wall_origin_ns"] + e["w"], t["wall_origin_ns"] + e["w"] + e["wall"])
-                   for t in traces[0] + one[0] for e in t["events"] if e["type"] == "compute")
+    spans = sorted(_spans(traces[0] + one[0]))
     assert len(spans) > 4 and all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
     assert one[0][0]["world_size"] == 1 and min(s for s, _ in spans) < one[0][0]["wall_origin_ns"]
     assert floor_traces(traces) is not None
@@ -188,10 +187,15 @@ def test_one_core_pins_the_thread_and_restores_it():
     assert os.sched_getaffinity(0) == before
 
 
+def _spans(traces: list[dict]) -> list[tuple[int, int]]:
+    """(start, end) of every compute segment of some ranks' traces, on one wall clock (perf_counter)."""
+    return [(t["wall_origin_ns"] + e["w"], t["wall_origin_ns"] + e["w"] + e["wall"])
+            for t in traces for e in t["events"] if e["type"] == "compute"]
+
+
 def _compute_span(traces: list[dict]) -> tuple[int, int]:
-    """(first start, last end) of the compute segments of some ranks' traces, on one wall clock."""
-    spans = [(t["wall_origin_ns"] + e["w"], t["wall_origin_ns"] + e["w"] + e["wall"])
-             for t in traces for e in t["events"] if e["type"] == "compute"]
+    """(first start, last end) of the compute segments of some ranks' traces."""
+    spans = _spans(traces)
     return min(a for a, _ in spans), max(b for _, b in spans)
 
 

@@ -119,9 +119,10 @@ def one_core():
     the same core, with that core's caches and its share of the host; the threads started before
     (gloo's) keep their affinity."""
     before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(before)})
+    cpu = min(before)
+    os.sched_setaffinity(0, {cpu})
     try:
-        yield min(before)
+        yield cpu
     finally:
         os.sched_setaffinity(0, before)
 
@@ -258,8 +259,8 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
 
     With ``exclusive`` (a :class:`MachineLock`) the ranks compute one at a time, all on one core
     (:func:`one_core`), so each traced kernel time is that kernel's alone on that core however many
-    ranks share the cores; the measured
-    wall clock then says nothing about the method and the row has no ``error``."""
+    ranks share the cores; the measured wall clock then says nothing about the method and the row
+    has no ``error``."""
     rows = []
     for meth in methods:
         case = BenchCase(meth, world_size=world_size, **shape)
