@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py                 # everything this machine can run
     python benchmarks/gpu_check.py --full          # + the opt-in static matrix (SEQPAR_GPU_STATIC_FULL=1)
     python benchmarks/gpu_check.py --bench-seqlens 4096,8192   # a shorter benchmark
+    python benchmarks/gpu_check.py --skip static   # on a short GPU lease: CI already runs step 1
 
 Steps, each a subprocess (a crash in one does not stop the others):
 
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="also the opt-in static matrix (SEQPAR_GPU_STATIC_FULL=1)")
     p.add_argument("--bench-seqlens", default=None, help="passed to bench_kernels.py --seqlens")
+    p.add_argument("--skip", default="", help="comma-separated steps not to run (static, gpu, bench)")
     p.add_argument("--out-root", default=str(ROOT / "benchmarks" / "results" / "gpu_check"))
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
@@ -153,7 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         (Step("gpu", [py, "-m", "pytest", "-q", "-m", "gpu", f"--junitxml={tmp / 'gpu.xml'}"]), tmp / "gpu.xml"),
         (Step("bench", bench), None),
     ]
+    skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+    unknown = skip - {s.name for s, _ in steps}
+    if unknown:
+        p.error(f"--skip {args.skip}: unknown step(s) {sorted(unknown)}; steps are static, gpu, bench")
     for step, report in steps:
+        if step.name in skip:
+            step.why_not = "skipped (--skip)"
+            continue
         if step.name != "static" and not info["gpu"]:
             step.why_not = "no CUDA device"
             continue

@@ -19,10 +19,10 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from seqpar.bench.machine import machine
+from seqpar.bench.machine import KernelModel, machine
 from seqpar.bench.schedule_trace import Shape
 from seqpar.bench.simulate import simulate
 from seqpar.bench.simulate_cli import plot_efficiency
@@ -39,18 +39,56 @@ PUBLISHED = {
 }
 
 
-def ringflash() -> list[dict]:
+@dataclass(frozen=True)
+class MeasuredKernels(KernelModel):
+    """The GPU kernel model with each attention block's kernel time measured on a GPU instead of
+    derived from published rates (``benchmarks/gpu_kernel_times.py``, its ``flash`` column: torch's
+    FlashAttention-2 kernel alone); the epilogue and launch as in :class:`KernelModel`. Blocks the
+    file does not hold (the whole problem on one GPU, used only by ``efficiency``) keep the model."""
+
+    times: tuple = ()  # ((name, shape, mask), seconds), from measured_kernels()
+
+    def seconds(self, ev: dict) -> float:
+        t = dict(self.times).get((ev["name"], tuple(ev["shape"]), ev.get("mask")))
+        if t is None:
+            return super().seconds(ev)
+        b, rows, cols, hq, hkv, d = ev["shape"]
+        return t + self.epilogue_bytes(b, rows, cols, hq, hkv, d, ev["name"].endswith("bwd")) / self.hbm_bytes_per_s \
+            + self.launch_s
+
+
+def measured_kernels(path: str, base: KernelModel) -> MeasuredKernels:
+    """``base`` with the block times of a ``gpu_kernel_times.json`` (ValueError naming the file if it
+    holds no timed rows)."""
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+        times = tuple(((r["event"], tuple(r["shape"]), r["mask"]), r["flash"]["median_ms"] / 1e3)
+                      for r in rows if "flash" in r)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--kernel-times {path}: not a gpu_kernel_times.json ({type(exc).__name__}: {exc})") from exc
+    if not times:
+        raise ValueError(f"--kernel-times {path}: no timed flash rows")
+    return MeasuredKernels(**base.__dict__, times=times)
+
+
+def ringflash(kernel_times: str | None = None) -> list[dict]:
     """seqpar's schedules replayed with seqpar's epilogue and with ring-flash-attention's (counted from
-    its code, seqpar.bench.machine.EPILOGUES), against the published rows."""
+    its code, seqpar.bench.machine.EPILOGUES), against the published rows; with ``kernel_times``
+    also the H800 rows with block times measured on an H100 (the same GH100 chip and clocks; the
+    H800 differs in NVLink and FP64), marked ``kernels = measured``."""
     rows = []
     for (profile, fwd_only), published in PUBLISHED.items():
-        for merge in ("seqpar", "ring-flash-attention"):
-            base = machine(profile)
-            m = replace(base, kernels=replace(base.kernels, merge=merge))
-            for r in simulate(list(published), [8], Shape(8192 * 8, **LLAMA), m, forward_only=fwd_only):
-                pub = published[r["method"]]
-                rows.append({**r, "epilogue": merge, "published_pct": pub, "replayed_pct": 100 * r["efficiency_local"],
-                             "gap_points": 100 * r["efficiency_local"] - pub})
+        variants = [("model", None)] + ([("measured", kernel_times)] if kernel_times and "h800" in profile else [])
+        for kernels, path in variants:
+            for merge in ("seqpar", "ring-flash-attention"):
+                base = machine(profile)
+                km = replace(base.kernels, merge=merge)
+                m = replace(base, kernels=measured_kernels(path, km) if path else km)
+                for r in simulate(list(published), [8], Shape(8192 * 8, **LLAMA), m, forward_only=fwd_only):
+                    pub = published[r["method"]]
+                    rows.append({**r, "kernels": kernels, "epilogue": merge, "published_pct": pub,
+                                 "replayed_pct": 100 * r["efficiency_local"],
+                                 "gap_points": 100 * r["efficiency_local"] - pub})
     return rows
 
 
@@ -112,14 +150,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--max-n", type=int, default=1024)
     p.add_argument("--skip-projection", action="store_true")
+    p.add_argument("--kernel-times", metavar="FILE", help="also replay the H800 rows with the block times of this "
+                   "benchmarks/gpu_kernel_times.py output (e.g. benchmarks/results/gpu_real/gpu_kernel_times.json)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python", "benchmarks/project_replay.py"] + list(argv if argv is not None else sys.argv[1:]))
-    rf = ringflash()
+    rf = ringflash(args.kernel_times)
     (out / "replay_ringflash.json").write_text(json.dumps({"command": command, "rows": rf}, indent=1) + "\n")
     for r in rf:
-        print(f"{r['profile']:15s} {'fwd' if r['forward_only'] else 'f+b'} {r['epilogue']:21s} {r['method']:13s} "
+        print(f"{r['profile']:15s} {r['kernels']:8s} {'fwd' if r['forward_only'] else 'f+b'} {r['epilogue']:21s} "
+              f"{r['method']:13s} "
               f"replayed {r['replayed_pct']:5.1f}%  published {r['published_pct']:5.1f}%  gap {r['gap_points']:+5.1f}")
     if args.skip_projection:
         return 0

@@ -580,7 +580,35 @@ def test_flash_attn(mask, hq, hkv, tq, tk, dtype):
 
 
 @pytest.mark.gpu
-def test_cuda_dispatch_prefers_fused():
+def test_cuda_dispatch_per_pass():
+    """A bf16 block: forward on flash_attn, else the Triton kernel (its merge is fused), else torch's
+    op; backward on flash_attn, else torch's flash kernel (TorchCUDABackend.rank: measured faster
+    than the Triton backward on an H100); float64 on the reference."""
     q = torch.zeros(1, 8, 4, 64, dtype=torch.bfloat16, device="cuda")
-    assert select_backend(q, q, q, mask="causal").name in ("flash_attn", "torch_cuda")
+    fused = "triton" if "triton" in available_backends() else "torch_cuda"
+    assert select_backend(q, q, q, mask="causal").name in ("flash_attn", fused)
+    assert select_backend(q, q, q, mask="causal", for_backward=True).name in ("flash_attn", "torch_cuda")
     assert select_backend(q.double(), q.double(), q.double(), mask="causal").name == "reference"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_cuda_ranks_per_pass(dtype, monkeypatch):
+    """The order dispatch tries the CUDA backends in (compiled Triton, not the interpreter): the
+    Triton kernel first for every forward, for the fp32 backward and for blocks torch's flash
+    kernel cannot take (causal and not square, windows); torch's op first for the fp16 / bf16
+    backward of the others; flash_attn above both."""
+    from seqpar.kernels.flash import FlashAttnBackend
+    from seqpar.kernels.masks import Band, plan_block
+    from seqpar.kernels.torch_ops import TorchCUDABackend
+    from seqpar.kernels.triton_backend import TritonBackend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fa, tr, tc = FlashAttnBackend(), TritonBackend(), TorchCUDABackend()
+    half = dtype != torch.float32
+    flash_kinds = [plan_block(64, 64, "none"), plan_block(64, 32, "none"), plan_block(64, 64, "causal")]
+    other_kinds = [plan_block(64, 32, "causal"), plan_block(64, 64, Band(-8, 0)), None]
+    for plan in flash_kinds + other_kinds:
+        assert fa.rank(dtype, False, plan) > tr.rank(dtype, False, plan) > tc.rank(dtype, False, plan)
+        torch_first = half and plan in flash_kinds
+        assert (tc.rank(dtype, True, plan) > tr.rank(dtype, True, plan)) == torch_first, plan
+        assert fa.rank(dtype, True, plan) > max(tc.rank(dtype, True, plan), tr.rank(dtype, True, plan))

@@ -224,3 +224,34 @@ def test_validation_pairs_every_n_rank_step_with_a_one_rank_step():
                 # the same kernels as a one-device run of the whole sequence
                 assert [(e["name"], e.get("shape")) for e in t["events"] if e["type"] == "compute"] == \
                     [(e["name"], e.get("shape")) for e in single[0][0]["events"] if e["type"] == "compute"], meth
+
+
+def test_measured_block_times_replace_the_kernel_model(tmp_path, monkeypatch):
+    """benchmarks/project_replay.py --kernel-times: a block in the file takes its measured time (plus
+    the modelled epilogue and launch), the others keep the model; a file without rows is a clear error."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "project_replay.py"
+    spec = importlib.util.spec_from_file_location("project_replay", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "project_replay", mod)  # its dataclass looks itself up there
+    spec.loader.exec_module(mod)
+    shape = [1, 8192, 8192, 32, 8, 128]
+    rows = [{"event": "block_fwd", "shape": shape, "mask": "causal", "flash": {"median_ms": 7.0}}]
+    good = tmp_path / "t.json"
+    good.write_text(json.dumps({"rows": rows}))
+    km = mod.measured_kernels(str(good), H100.kernels)
+    ev = {"name": "block_fwd", "shape": shape, "mask": "causal", "flops": 5.5e11}
+    epilogue = H100.kernels.seconds(ev) - 5.5e11 / H100.kernels.rate("fwd", "causal", 8192, 128)
+    assert km.seconds(ev) == pytest.approx(7e-3 + epilogue)
+    other = {**ev, "mask": "none", "flops": 1.1e12}
+    assert km.seconds(other) == H100.kernels.seconds(other)
+    slow = simulate(["zigzag_ring"], [8], LLAMA, replace(H100, kernels=km))[0]
+    assert slow["step_time_s"] > simulate(["zigzag_ring"], [8], LLAMA, H100)[0]["step_time_s"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": [{"event": "block_fwd"}]}))
+    for f in (bad, tmp_path / "missing.json"):
+        with pytest.raises(ValueError, match=f.name):
+            mod.measured_kernels(str(f), H100.kernels)

@@ -227,8 +227,10 @@ class Backend:
         case on this machine (see :func:`launch_failure`), or ``None`` for any other error."""
         return launch_failure(exc)
 
-    def rank(self, dtype: torch.dtype) -> tuple[bool, int]:
-        """Sort key for dispatch: preferred dtype first, then priority."""
+    def rank(self, dtype: torch.dtype, for_backward: bool = False,
+             plan: BlockPlan | None = None) -> tuple[bool, int]:
+        """Sort key for dispatch: preferred dtype first, then priority (a backend may rank a block's
+        backward, ``for_backward``, or a kind of reduced block, ``plan``, differently)."""
         return (dtype in self.caps.preferred_dtypes, self.caps.priority)
 
     def forward(self, q, k, v, *, scale: float, causal: bool):

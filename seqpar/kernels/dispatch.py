@@ -85,13 +85,15 @@ def _kind(plan: BlockPlan) -> str:
     return "window" if plan.window is not None else "causal" if plan.causal else "none"
 
 
-def _candidates(q, k, v, mask, for_backward: bool, has_out: bool, reasons: list[str]):
+def _candidates(q, k, v, mask, for_backward: bool, has_out: bool, reasons: list[str], packed: bool = False):
     """Backends that can serve this block, best first (a generator: the refusals of the rest are
     only evaluated when needed); appends ``"  name: why"`` to ``reasons`` for each one that cannot,
-    including those demoted for this case (:data:`FAILED_KERNELS`)."""
+    including those demoted for this case (:data:`FAILED_KERNELS`). ``packed``: for a packed
+    call (one varlen launch over many documents), ranked without a block plan."""
     plan = plan_block(q.shape[1], k.shape[1], mask)
     case = KernelCase.of(q, k, _kind(plan), for_backward)
-    for b in sorted(BACKENDS, key=lambda b: b.rank(q.dtype), reverse=True):
+    ranked = None if packed else plan
+    for b in sorted(BACKENDS, key=lambda b: b.rank(q.dtype, for_backward, ranked), reverse=True):
         why = b.refusal(q, k, v, mask, for_backward, has_out)
         failed = None if why else FAILED_KERNELS.reason(b.name, case)
         if failed:

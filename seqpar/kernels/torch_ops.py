@@ -130,6 +130,25 @@ class TorchCUDABackend(Backend):
         priority=30,
     )
 
+    def rank(self, dtype: torch.dtype, for_backward: bool = False, plan=None) -> tuple[bool, int]:
+        """Priority 30 (below ``triton``'s 35), but 36 for the backward of an fp16 / bf16 block that
+        torch's flash kernel serves (not causal, or causal and square; see :meth:`_use_flash`).
+
+        Measured on one H100 80GB HBM3 (torch 2.11.0+cu130, triton 3.6.0; bf16, 32 query / 8 K,V
+        heads, D = 128; benchmarks/results/gpu_real/): the backward of a full 8K x 8K block took
+        9.8 ms here against 17.6 ms in seqpar's Triton kernel, 8K x 4K 5.3 against 9.0, a causal 8K
+        5.6 against 9.0. Not so where the memory-efficient kernel would serve it (causal 8K x 4K:
+        9.0 ms here, 7.4 in Triton), nor for the forward (Triton with its fused merge 1.5-1.6 ms,
+        this backend plus the merge 2.0-2.5). Packed calls (``plan`` None) keep 30: this backend has
+        no varlen kernel, and one Triton varlen launch stays preferred to a block call per document
+        (not measured on a GPU)."""
+        preferred, priority = super().rank(dtype, for_backward, plan)
+        flash_serves = plan is not None and plan.window is None and (
+            not plan.causal or plan.q_stop - plan.q_start == plan.k_stop - plan.k_start)
+        if for_backward and dtype in HALF_DTYPES and flash_serves:
+            priority = 36
+        return preferred, priority
+
     def unavailable(self, device):
         if not torch.cuda.is_available():
             return "CUDA is not available"

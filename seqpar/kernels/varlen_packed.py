@@ -121,7 +121,7 @@ def packed_backend(q, k, v, backend: str | None, for_backward: bool, has_out: bo
         if why:
             raise ValueError(f"backend={backend!r} cannot serve this varlen block: {why}")
         return chosen
-    first = next(_candidates(q, k, v, "none", for_backward, has_out, []), None)
+    first = next(_candidates(q, k, v, "none", for_backward, has_out, [], packed=True), None)
     if first is None or not first.caps.varlen:
         return None
     return None if FAILED_KERNELS.reason(first.name, KernelCase.of(q, k, "varlen", for_backward)) else first
