@@ -1,8 +1,10 @@
 """Validate the replay against real runs on this machine (benchmarks/results/replay_validation.md).
 
 (a) N = 2, one thread per rank: every softmax and linear method's measured wall-clock step against
-    the replay of the same repeats' traces (their CPU times) on a ping-pong-calibrated link, in
-    each of ``--runs`` runs (target: within 10%).
+    the replay of the same repeats' traces (their CPU times) on a ping-pong-calibrated link, each
+    collective kind on the link fitted from timing it (``calibrate_collectives``: gloo's all-gather
+    and reduce-scatter move a chunk 2-4x slower than a message), in each of ``--runs`` runs
+    (target: within 10%).
 (b) N = 4 and 8 on this machine's cores: the replayed efficiency of every method (replayed
     one-rank step / N / replayed step) in each run; its spread across runs (target: <= 3%). The
     ranks compute one at a time (``seqpar.Trace(exclusive=...)``: each kernel's CPU time is its own
@@ -45,6 +47,7 @@ from seqpar.bench.core import BenchCase
 from seqpar.bench.replay_validate import (
     STEADY_MALLOC,
     MachineLock,
+    calibrate_collectives,
     calibrate_link,
     cpu_machine,
     tracing_overhead,
@@ -115,8 +118,10 @@ def main(argv=None) -> int:
     lock = MachineLock(os.path.join(tempfile.mkdtemp(prefix="seqpar-validate-"), "compute.lock"))
     with LocalRanks() as ranks:
         bw, lat = calibrate_link(ranks)  # once, on the idle machine: a property of the machine
-        m = cpu_machine(bw, lat)
+        colls = calibrate_collectives(ranks)
+        m = cpu_machine(bw, lat, collectives=colls)
         result["link"] = {"bandwidth": bw, "latency": lat}
+        result["collectives"] = {k: {"bandwidth": b, "latency": lt} for k, (b, lt) in colls.items()}
         for run in range(args.runs):
             if run and not _wait_idle(args.max_load, args.wait):
                 print(f"run {run}: the machine did not become idle within --wait {args.wait} s; running anyway "
@@ -189,9 +194,13 @@ def markdown(result: dict, methods, sizes) -> str:
              f"thread per rank; glibc malloc keeps freed memory ("
              + ", ".join(f"`{k}={v}`" for k, v in result.get("malloc", {}).items())
              + f"). Link (ping-pong, once): {result['link']['bandwidth'] / 1e9:.2f} GB/s, "
-             f"{result['link']['latency'] * 1e6:.0f} us. Loads (1-min average) before/after each run: "
+             f"{result['link']['latency'] * 1e6:.0f} us; collectives (timed once, the link each runs on): "
+             + ", ".join(f"{k} {v['bandwidth'] / 1e9:.2f} GB/s, {v['latency'] * 1e6:.0f} us"
+                         for k, v in result.get("collectives", {}).items())
+             + ". Loads (1-min average) before/after each run: "
              + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in summ["loads"]) + ".", "",
-             "## (a) N = 2: replayed (traced CPU times, ping-pong link) against measured wall-clock steps", "",
+             "## (a) N = 2: replayed (traced CPU times, ping-pong link, timed collectives) against measured "
+             "wall-clock steps", "",
              "| method | " + " | ".join(f"run {r['run']}: measured ms / replayed ms / error" for r in runs) + " |",
              "|---|" + "---|" * len(runs)]
     for meth in methods:

@@ -129,6 +129,13 @@ def test_collectives_follow_their_algorithm():
         r.coll("all_to_all", range(n), 4 * chunk, splits=[chunk * (1 + (r.rank == 0))] * n)
     res = replay([r.dict() for r in ranks], CPU)
     assert res.step_s == pytest.approx((n - 1) * (LAT + 2 * chunk / BW))
+    # a machine that timed its collectives runs each kind on the link fitted for it, the others on its links
+    timed = replace(CPU, collectives={"all_to_all": (BW / 3, 7 * LAT)})
+    assert replay([r.dict() for r in ranks], timed).step_s == pytest.approx((n - 1) * (7 * LAT + 6 * chunk / BW))
+    ranks = _ranks(n)
+    for r in ranks:
+        r.coll("all_gather", range(n), chunk)
+    assert replay([r.dict() for r in ranks], timed).step_s == pytest.approx((n - 1) * (LAT + chunk / BW))
 
 
 def test_asynchronous_collective_overlaps_compute():
@@ -223,6 +230,9 @@ def test_profiles_and_the_kernel_model(tmp_path):
     saved = tmp_path / "m.json"
     save_machine(CPU, saved)
     assert load_machine(saved) == CPU
+    timed = replace(CPU, collectives={"all_gather": (BW / 2, LAT), "reduce": (BW, 0.0)})
+    save_machine(timed, saved)
+    assert load_machine(saved) == timed
     with pytest.raises(ValueError, match="kernels='tpu'"):
         machine("pcie", kernels="tpu")
 

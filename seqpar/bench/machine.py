@@ -168,6 +168,11 @@ class Machine:
     host: bool = True  # count the traced host time between events (False on GPUs: the host runs ahead)
     overlap_slowdown: float = 0.0
     extra: dict = field(default_factory=dict)
+    # kind -> (bandwidth, latency): the link a collective of that kind runs its algorithm on, fitted
+    # from timing that collective on this machine (replay_validate.calibrate_collectives); kinds
+    # absent here use the links of the members. gloo on CPU: its all-gather and reduce-scatter move
+    # a chunk 2-4x slower than a point-to-point message of that size (copies through its buffers).
+    collectives: dict = field(default_factory=dict)
 
     def same_node(self, a: int, b: int) -> bool:
         return a // self.ranks_per_node == b // self.ranks_per_node
@@ -183,6 +188,7 @@ class Machine:
         d = {k: getattr(self, k) for k in ("name", "description", "ranks_per_node", "intra_bw", "inter_bw",
                                            "intra_lat", "inter_lat", "host", "overlap_slowdown")}
         d["kernels"] = None if self.kernels is None else self.kernels.name
+        d["collectives"] = {k: list(v) for k, v in self.collectives.items()}
         return d
 
 
@@ -240,9 +246,10 @@ def load_machine(path: str | Path) -> Machine:
             fields_ = {k: data[k] for k in ("name", "ranks_per_node", "intra_bw", "inter_bw", "intra_lat",
                                             "inter_lat")}
             k = data.get("kernels")
+            colls = {kind: (float(bw), float(lat)) for kind, (bw, lat) in data.get("collectives", {}).items()}
             return Machine(**fields_, description=data.get("description", ""),
                            kernels=KERNELS[k] if k else None, host=bool(data.get("host", k is None)),
-                           overlap_slowdown=float(data.get("overlap_slowdown", 0.0)))
+                           overlap_slowdown=float(data.get("overlap_slowdown", 0.0)), collectives=colls)
         if data.get("format") == "seqpar-calibration":
             links = [e for e in data["cluster"].get("measured_links", []) if e[1] == "p2p"]
             size, _, bw, lat = min(links)

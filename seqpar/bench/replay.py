@@ -11,8 +11,9 @@ port fairly (each gets ``bandwidth / transfers on the port``, the smaller of its
 message ends ``latency`` after its last byte. Collectives run their algorithm on the links of
 their members: ring all-gather / reduce-scatter (``N-1`` steps of one chunk over the slowest hop),
 ring all-reduce (twice that, chunks of ``1/N``), pipelined chain broadcast / reduce, pairwise
-all-to-all (``N-1`` rounds, each as long as its slowest pair); they do not share ports with
-point-to-point messages (no seqpar schedule runs both at once). With a GPU kernel model, a
+all-to-all (``N-1`` rounds, each as long as its slowest pair), on the link the machine measured
+for that kind where it has one (:attr:`.machine.Machine.collectives`); they do not share ports
+with point-to-point messages (no seqpar schedule runs both at once). With a GPU kernel model, a
 compute that overlaps a transfer of its rank runs ``overlap_slowdown`` slower (:mod:`.machine`).
 
 :func:`replay` returns a :class:`ReplayResult`: per rank the timeline, its end, compute, host and
@@ -361,7 +362,7 @@ def collective_seconds(inst: dict, m: Machine) -> float:
     evs = {r: ev for r, (_, ev) in inst["arrived"].items()}
     chunk = max(ev["bytes"] for ev in evs.values())
     hops = [m.link(members[i], members[(i + 1) % p]) for i in range(p)]
-    bw, lat = min(b for b, _ in hops), max(lat for _, lat in hops)
+    bw, lat = m.collectives.get(kind) or (min(b for b, _ in hops), max(lat for _, lat in hops))
     if kind in ("all_gather", "reduce_scatter"):
         return (p - 1) * (lat + chunk / bw)
     if kind == "all_reduce":
@@ -375,7 +376,7 @@ def collective_seconds(inst: dict, m: Machine) -> float:
             for j, src in enumerate(members):
                 dst = members[(j + i) % p]
                 splits = evs[src].get("splits") or [evs[src]["bytes"] // p] * p
-                b, lt = m.link(src, dst)
+                b, lt = m.collectives.get(kind) or m.link(src, dst)
                 worst = max(worst, lt + splits[(j + i) % p] / b)
             total += worst
         return total

@@ -2,6 +2,8 @@
 
 :func:`calibrate_link` fits the 2-rank point-to-point link of this machine with a ping-pong (both
 ranks send and receive at once, as a ring step does): ``t = latency + bytes / bandwidth``.
+:func:`calibrate_collectives` times each collective kind on the same 2 ranks and fits the link it
+runs on (gloo's collectives copy through buffers of their own and are slower than the messages).
 :func:`run_case` runs one method on N local gloo ranks (one torch thread each, the bench's inputs
 and call), timing every repeat's wall-clock step (the slowest rank's forward+backward) and
 recording every repeat's trace. :func:`validate` replays each repeat's traces with their CPU
@@ -72,10 +74,59 @@ def calibrate_link(ranks: LocalRanks, sizes=PINGPONG_BYTES, repeats: int = 7) ->
     return 1.0 / max(slope, 1e-15), max(float(lat), 0.0)
 
 
-def cpu_machine(bandwidth: float, latency: float, name: str = "this machine") -> Machine:
-    """Traced CPU times and host work, every rank its own port (one node)."""
-    return Machine(name, "local gloo ranks, link from a ping-pong", ranks_per_node=1 << 20, intra_bw=bandwidth,
-                   inter_bw=bandwidth, intra_lat=latency, inter_lat=latency, kernels=None, host=True)
+# Chunk sizes (bytes per member, as the traces record them) of the collective calibration: from a
+# linear-attention state to a K,V chunk of the validation's shape (2048 tokens x 8 heads x 64 x 4
+# bytes x 2 = 8.4 MB at N = 2).
+COLLECTIVE_BYTES = (1 << 16, 1 << 20, 1 << 22, 1 << 23, 12 << 20)
+# At two members every algorithm of the replay (seqpar.bench.replay.collective_seconds) is
+# ``latencies x lat + chunk / bw``: one step of the ring all-gather / reduce-scatter, one round of
+# the all-to-all, the chain broadcast / reduce; the ring all-reduce twice its half chunk.
+_LATENCIES = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "reduce": 1, "all_reduce": 2}
+
+
+def _collectives_on_rank(sizes, repeats: int) -> dict[str, list[float]]:
+    """Median seconds of each collective kind between ranks 0 and 1 for each chunk size."""
+    torch.set_num_threads(1)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    out: dict[str, list[float]] = {k: [] for k in _LATENCIES}
+    for size in sizes:
+        one, two = torch.zeros(size // 4), torch.zeros(2 * (size // 4))
+        res = torch.empty(2 * (size // 4))
+        calls = {"all_gather": lambda: gather(res, one), "reduce_scatter": lambda: scatter(one, two),
+                 "all_to_all": lambda: dist.all_to_all_single(res, two), "broadcast": lambda: dist.broadcast(one, 0),
+                 "reduce": lambda: dist.reduce(one, 0), "all_reduce": lambda: dist.all_reduce(one)}
+        for kind, call in calls.items():
+            times = []
+            for _ in range(repeats + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            out[kind].append(statistics.median(times[1:]))
+    return out
+
+
+def calibrate_collectives(ranks: LocalRanks, sizes=COLLECTIVE_BYTES, repeats: int = 5) -> dict:
+    """``{kind: (bandwidth, latency)}`` of each collective kind on 2 ranks of this machine: its time
+    (the slower rank's median) fitted by least squares to the replay's formula for two members
+    (:data:`_LATENCIES`), so that :attr:`Machine.collectives` replays it as measured."""
+    per_rank = ranks.run(_collectives_on_rank, 2, sizes, repeats, timeout=600)
+    fitted = {}
+    for kind, lats in _LATENCIES.items():
+        t = np.maximum(per_rank[0][kind], per_rank[1][kind])
+        slope, fixed = np.polyfit(np.asarray(sizes, float), t, 1)
+        fitted[kind] = (1.0 / max(slope, 1e-15), max(float(fixed), 0.0) / lats)
+    return fitted
+
+
+def cpu_machine(bandwidth: float, latency: float, name: str = "this machine",
+                collectives: dict | None = None) -> Machine:
+    """Traced CPU times and host work, every rank its own port (one node); ``collectives`` from
+    :func:`calibrate_collectives` (else every collective runs on the ping-pong link)."""
+    return Machine(name, "local gloo ranks, link from a ping-pong" + (", collectives timed" if collectives else ""),
+                   ranks_per_node=1 << 20, intra_bw=bandwidth, inter_bw=bandwidth, intra_lat=latency,
+                   inter_lat=latency, kernels=None, host=True, collectives=dict(collectives or {}))
 
 
 class MachineLock:
