@@ -3,8 +3,9 @@
 (a) N = 2, one thread per rank: every softmax and linear method's measured wall-clock step against
     the replay of the same repeats' traces (their CPU times) on a ping-pong-calibrated link, each
     collective kind on the link fitted from timing it (``calibrate_collectives``: gloo's all-gather
-    and reduce-scatter move a chunk 2-4x slower than a message), in each of ``--runs`` runs
-    (target: within 10%).
+    and reduce-scatter move a chunk 2-4x slower than a message), the CPU that a transfer takes from the
+    ranks it runs on measured in the ping-pong (``calibrate_transfer_cpu``: gloo's threads copy the bytes
+    over TCP on the cores the ranks compute on), in each of ``--runs`` runs (target: within 10%).
 (b) N = 4 and 8 on this machine's cores: the replayed efficiency of every method (replayed
     one-rank step / N / replayed step) in each run; its spread across runs (target: <= 3%). The
     ranks compute one at a time (``seqpar.Trace(exclusive=...)``: each kernel's CPU time is its own
@@ -13,12 +14,13 @@
     two cores each rank's kernels landed on); every N-rank step is followed by the one-rank step of
     the same method in rank 0's process (``run_case(paired=True)``), so that both
     see the machine at the same speed; and the efficiency is taken from each segment's least
-    disturbed time over the ``--repeats-b`` repeats (``floor_traces``). The softmax methods run at
-    ``--seq-len``; the linear methods are judged at the first of ``--linear-seq-lens-b`` (32768:
+    disturbed time over the ``--repeats-b`` repeats (``--repeats-b-linear`` for the linear methods,
+    whose memory-bound kernels vary more from one minute to the next) (``floor_traces``). The softmax
+    methods run at ``--seq-len``; the linear methods are judged at the first of ``--linear-seq-lens-b`` (32768:
     every rank's inputs at N <= 8 are larger than this machine's 32 MB L3 cache, as the one-rank
     step's are; at 16384 and N = 8 a rank's inputs are 21 MB, and how fast its kernels run then
     depends on how much of the L3, shared with other tenants, is free, which the one-rank step does
-    not) and shown at the others.
+    not) and shown at the others (the sixth validation, at 8 repeats each, ran 32768 and 16384).
 (c) the tracing overhead: traced and untraced steps interleaved (target: <= 5%).
 
 Needs an idle machine (the wall clocks of (a) are meaningless when other jobs share the cores):
@@ -49,6 +51,7 @@ from seqpar.bench.replay_validate import (
     MachineLock,
     calibrate_collectives,
     calibrate_link,
+    calibrate_transfer_cpu,
     cpu_machine,
     tracing_overhead,
     validate,
@@ -87,15 +90,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--repeats-b", type=int, default=8,
+    p.add_argument("--repeats-b", type=int, default=12,
                    help="repeats of (b), each an N-rank step and a one-rank step (its floor is over all of them)")
+    p.add_argument("--repeats-b-linear", type=int, default=16,
+                   help="repeats of (b) for the linear methods (one length by default, so the run takes as long "
+                        "as the two lengths of 8 repeats that the sixth validation ran)")
     p.add_argument("--warmup-b", type=int, default=3,
                    help="untimed steps before (b)'s repeats (until the allocator's heap stops growing)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--world-sizes-b", default="4,8")
-    p.add_argument("--linear-seq-lens-b", default="32768,16384",
+    p.add_argument("--linear-seq-lens-b", default="32768",
                    help="the linear methods' T in (b); the target is judged on the first (see the docstring)")
     p.add_argument("--methods", default=",".join(METHODS + LINEAR_METHODS))
     p.add_argument("--max-load", type=float, default=0.5)
@@ -119,21 +125,24 @@ def main(argv=None) -> int:
     with LocalRanks() as ranks:
         bw, lat = calibrate_link(ranks)  # once, on the idle machine: a property of the machine
         colls = calibrate_collectives(ranks)
-        m = cpu_machine(bw, lat, collectives=colls)
-        result["link"] = {"bandwidth": bw, "latency": lat}
+        share = calibrate_transfer_cpu(ranks)
+        m = cpu_machine(bw, lat, collectives=colls, transfer_cpu=share)
+        result["link"] = {"bandwidth": bw, "latency": lat, "transfer_cpu": share}
         result["collectives"] = {k: {"bandwidth": b, "latency": lt} for k, (b, lt) in colls.items()}
         for run in range(args.runs):
             if run and not _wait_idle(args.max_load, args.wait):
                 print(f"run {run}: the machine did not become idle within --wait {args.wait} s; running anyway "
                       f"(load {_load():.2f}; recorded)", file=sys.stderr)
             entry = {"run": run, "load_before": _load(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                     "repeats_b": args.repeats_b, "warmup_b": args.warmup_b, "paired_b": True,
+                     "repeats_b": args.repeats_b, "repeats_b_linear": args.repeats_b_linear,
+                     "warmup_b": args.warmup_b, "paired_b": True,
                      "one_core_b": True}
             entry["n2"] = validate(methods, 2, shape, m=m, ranks=ranks, repeats=args.repeats)
             for n in (int(x) for x in args.world_sizes_b.split(",")):
                 entry[f"n{n}"] = []
                 for group, sh in _groups_b(methods, shape, args.linear_seq_lens_b):
-                    entry[f"n{n}"] += validate(group, n, sh, m=m, ranks=ranks, repeats=args.repeats_b,
+                    reps = args.repeats_b_linear if group[0] in LINEAR_METHODS else args.repeats_b
+                    entry[f"n{n}"] += validate(group, n, sh, m=m, ranks=ranks, repeats=reps,
                                                warmup=args.warmup_b, ideal=True, exclusive=lock)
             entry["overhead"] = tracing_overhead(ranks, BenchCase("zigzag_ring", world_size=2, **shape))
             entry["load_after"] = _load()
@@ -194,13 +203,14 @@ def markdown(result: dict, methods, sizes) -> str:
              f"thread per rank; glibc malloc keeps freed memory ("
              + ", ".join(f"`{k}={v}`" for k, v in result.get("malloc", {}).items())
              + f"). Link (ping-pong, once): {result['link']['bandwidth'] / 1e9:.2f} GB/s, "
-             f"{result['link']['latency'] * 1e6:.0f} us; collectives (timed once, the link each runs on): "
+             f"{result['link']['latency'] * 1e6:.0f} us, a transfer takes "
+             f"{result['link'].get('transfer_cpu', 0.0):.2f} core at each end; collectives (timed once, the link each runs on): "
              + ", ".join(f"{k} {v['bandwidth'] / 1e9:.2f} GB/s, {v['latency'] * 1e6:.0f} us"
                          for k, v in result.get("collectives", {}).items())
              + ". Loads (1-min average) before/after each run: "
              + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in summ["loads"]) + ".", "",
-             "## (a) N = 2: replayed (traced CPU times, ping-pong link, timed collectives) against measured "
-             "wall-clock steps", "",
+             "## (a) N = 2: replayed (traced CPU times, ping-pong link, timed collectives, transfer CPU) against "
+             "measured wall-clock steps", "",
              "| method | " + " | ".join(f"run {r['run']}: measured ms / replayed ms / error" for r in runs) + " |",
              "|---|" + "---|" * len(runs)]
     for meth in methods:
@@ -214,7 +224,8 @@ def markdown(result: dict, methods, sizes) -> str:
               "## (b) N = 4 and 8 on 2 cores: replayed efficiency per run and its spread", "",
               "The ranks compute one at a time (`Trace(exclusive=...)`)"
               + (", all on one core (`one_core`)" if runs[0].get("one_core_b") else "")
-              + f"; per run {runs[0]['repeats_b']} repeats "
+              + f"; per run {runs[0]['repeats_b']} repeats ({runs[0].get('repeats_b_linear', runs[0]['repeats_b'])} "
+              "for the linear methods) "
               f"after {runs[0]['warmup_b']} untimed steps, each an N-rank step followed by the one-rank step in "
               f"rank 0's process. The softmax methods at T = {sh['seq_len']}; the linear methods are judged at "
               f"T = {result['linear_seq_len_b']}, where every rank's inputs are larger than the 32 MB L3 cache at "

@@ -176,6 +176,29 @@ def test_gpu_compute_slows_while_its_rank_transfers():
     assert res.ranks[0].end_s == pytest.approx(1e-3 + 3.2e-3)
 
 
+def test_cpu_transfer_shares_the_core_of_a_computing_rank():
+    m = replace(CPU, transfer_cpu=0.5)
+    res = replay(_sender_computes(4.0), m)
+    # rank 0 computes with one end of a transfer on its core: both run 1 + 0.5 x 1 = 1.5x slower, so the
+    # 1 ms message takes 1.5 ms, during which 1 ms of the kernel's 4 ms is done; 3 ms follow at full speed
+    assert res.messages[0][3] == pytest.approx(1.5e-3 + LAT)
+    assert res.ranks[0].end_s == pytest.approx(4.5e-3)
+    a, b = _ranks(2)
+    for me, r in ((0, a), (1, b)):  # a ring step of two ranks: both send, receive and compute at once
+        s, v = r.send(1 - me, 10**6), r.recv(1 - me, 10**6)
+        r.compute(4.0)
+        r.wait(s, v)
+    res = replay([a.dict(), b.dict()], m)
+    # two ends on each core (a send and a receive): 2x slower; the messages take 2 ms and 1 ms of work is done
+    assert [x[3] for x in res.messages] == pytest.approx([2e-3 + LAT] * 2)
+    assert res.step_s == pytest.approx(5e-3)
+    assert replay([a.dict(), b.dict()], CPU).step_s == pytest.approx(4e-3)  # no transfer CPU: fully hidden
+    c, d = _ranks(2)  # nobody computes: the transfer flows at the link's speed
+    c.wait(c.send(1, 10**6))
+    d.wait(d.recv(0, 10**6))
+    assert replay([c.dict(), d.dict()], m).step_s == pytest.approx(1e-3 + LAT)
+
+
 def test_inconsistent_traces_raise_naming_the_problem():
     a, b = _ranks(2, meta={"method": "ring"})
     a.wait(a.send(1, 100))
@@ -230,7 +253,7 @@ def test_profiles_and_the_kernel_model(tmp_path):
     saved = tmp_path / "m.json"
     save_machine(CPU, saved)
     assert load_machine(saved) == CPU
-    timed = replace(CPU, collectives={"all_gather": (BW / 2, LAT), "reduce": (BW, 0.0)})
+    timed = replace(CPU, collectives={"all_gather": (BW / 2, LAT), "reduce": (BW, 0.0)}, transfer_cpu=0.3)
     save_machine(timed, saved)
     assert load_machine(saved) == timed
     with pytest.raises(ValueError, match="kernels='tpu'"):

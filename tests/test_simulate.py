@@ -127,8 +127,8 @@ def test_recorded_traces_replay_on_a_profile(tmp_path):
 
 def test_validation_against_runs_on_this_machine_works_end_to_end():
     """The machinery of benchmarks/validate_replay.py at a tiny size (its numbers need an idle machine)."""
-    from seqpar.bench.replay_validate import (calibrate_collectives, calibrate_link, cpu_machine, tracing_overhead,
-                                              validate)
+    from seqpar.bench.replay_validate import (calibrate_collectives, calibrate_link, calibrate_transfer_cpu,
+                                              cpu_machine, tracing_overhead, validate)
     from seqpar.bench.core import BenchCase
     from seqpar.comm.pool import LocalRanks
 
@@ -139,8 +139,11 @@ def test_validation_against_runs_on_this_machine_works_end_to_end():
         colls = calibrate_collectives(ranks, sizes=(1 << 10, 1 << 14, 1 << 18), repeats=2)
         kinds = {"all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast", "reduce"}
         assert set(colls) == kinds and all(b > 0 and lt >= 0 for b, lt in colls.values())
-        rows = validate(["allgather_kv", "zeco"], 2, shape, m=cpu_machine(bw, lat, collectives=colls), ranks=ranks,
-                        repeats=1, warmup=0, ideal=True)
+        share = calibrate_transfer_cpu(ranks, sizes=(1 << 16, 1 << 18), repeats=2)
+        assert 0.0 <= share < 4.0  # cores per end: the process's threads other than the waiting main one
+        m = cpu_machine(bw, lat, collectives=colls, transfer_cpu=share)
+        assert m.transfer_cpu == share
+        rows = validate(["allgather_kv", "zeco"], 2, shape, m=m, ranks=ranks, repeats=1, warmup=0, ideal=True)
         over = tracing_overhead(ranks, BenchCase("zigzag_ring", world_size=2, **shape), repeats=1)
     for r in rows:
         assert r["measured_s"] > 0 and r["replayed_s"] > 0 and r["efficiency"] > 0

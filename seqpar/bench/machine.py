@@ -167,6 +167,9 @@ class Machine:
     kernels: KernelModel | None = None
     host: bool = True  # count the traced host time between events (False on GPUs: the host runs ahead)
     overlap_slowdown: float = 0.0
+    # Cores a transfer takes at each end while it flows (CPU machines: gloo's threads copying over
+    # TCP; replay_validate.calibrate_transfer_cpu); 0 on GPUs, where copy engines and NVLink move it.
+    transfer_cpu: float = 0.0
     extra: dict = field(default_factory=dict)
     # kind -> (bandwidth, latency): the link a collective of that kind runs its algorithm on, fitted
     # from timing that collective on this machine (replay_validate.calibrate_collectives); kinds
@@ -186,7 +189,8 @@ class Machine:
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("name", "description", "ranks_per_node", "intra_bw", "inter_bw",
-                                           "intra_lat", "inter_lat", "host", "overlap_slowdown")}
+                                           "intra_lat", "inter_lat", "host", "overlap_slowdown",
+                                           "transfer_cpu")}
         d["kernels"] = None if self.kernels is None else self.kernels.name
         d["collectives"] = {k: list(v) for k, v in self.collectives.items()}
         return d
@@ -249,7 +253,8 @@ def load_machine(path: str | Path) -> Machine:
             colls = {kind: (float(bw), float(lat)) for kind, (bw, lat) in data.get("collectives", {}).items()}
             return Machine(**fields_, description=data.get("description", ""),
                            kernels=KERNELS[k] if k else None, host=bool(data.get("host", k is None)),
-                           overlap_slowdown=float(data.get("overlap_slowdown", 0.0)), collectives=colls)
+                           overlap_slowdown=float(data.get("overlap_slowdown", 0.0)),
+                           transfer_cpu=float(data.get("transfer_cpu", 0.0)), collectives=colls)
         if data.get("format") == "seqpar-calibration":
             links = [e for e in data["cluster"].get("measured_links", []) if e[1] == "p2p"]
             size, _, bw, lat = min(links)

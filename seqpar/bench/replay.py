@@ -14,7 +14,11 @@ ring all-reduce (twice that, chunks of ``1/N``), pipelined chain broadcast / red
 all-to-all (``N-1`` rounds, each as long as its slowest pair), on the link the machine measured
 for that kind where it has one (:attr:`.machine.Machine.collectives`); they do not share ports
 with point-to-point messages (no seqpar schedule runs both at once). With a GPU kernel model, a
-compute that overlaps a transfer of its rank runs ``overlap_slowdown`` slower (:mod:`.machine`).
+compute that overlaps a transfer of its rank runs ``overlap_slowdown`` slower (:mod:`.machine`). On a
+CPU machine a transfer takes ``transfer_cpu`` of a core at each of its ends (the threads that copy it:
+gloo's over TCP); while a rank computes, its compute and the transfers of its ``k`` ends (messages and
+asynchronous collectives) share its core: the compute runs ``1 + transfer_cpu * k`` times slower, and
+so does every message of that rank (at the slower of its two ends).
 
 :func:`replay` returns a :class:`ReplayResult`: per rank the timeline, its end, compute, host and
 exposed (blocked) communication time; the step is the last rank's end.
@@ -177,9 +181,17 @@ class _Sim:
         dur = self.m.compute_seconds(ev)
         self.comp[r] = [dur, t, 0, ev, t]
         self._schedule_compute(r, t)
+        self._core_changed(r, t)
 
     def _speed(self, r: int) -> float:
-        return 1.0 / (1.0 + self.m.overlap_slowdown) if self.active[r] and self.m.overlap_slowdown else 1.0
+        """Rate of rank r's compute: 1 alone, slower while transfers of r are in flight."""
+        if not self.active[r]:
+            return 1.0
+        return 1.0 / ((1.0 + self.m.overlap_slowdown) * (1.0 + self.m.transfer_cpu * self.active[r]))
+
+    def _shared(self, r: int) -> float:
+        """How many times slower rank r's transfers flow: its core is shared while it computes."""
+        return 1.0 + self.m.transfer_cpu * self.active[r] if self.comp[r] is not None else 1.0
 
     def _schedule_compute(self, r: int, t: float) -> None:
         c = self.comp[r]
@@ -200,6 +212,7 @@ class _Sim:
             return
         ev, start = c[3], c[4]
         self.comp[r] = None
+        self._core_changed(r, t)
         self.res[r].compute_s += t - start
         self.note(r, (start, t, "compute", ev["name"]))
         self.finish(r, ev["id"], t)
@@ -259,12 +272,18 @@ class _Sim:
         kind = "fab" if self.m.same_node(msg.src, msg.dst) else "nic"
         msg.ports = ((msg.src, kind, "out"), (msg.dst, kind, "in"))
         for r in (msg.src, msg.dst):
-            before = self._speed(r)
-            self.active[r] += 1
-            self._rate_change(r, t, before)
+            self._transfers(r, t, 1)
         for p in msg.ports:
             self.port_flows[p].add(msg)
         self._rerate(msg.ports, t)
+        for r in (msg.src, msg.dst):
+            self._core_changed(r, t)
+
+    def _transfers(self, r: int, t: float, delta: int) -> None:
+        """A transfer of rank r starts (+1) or ends (-1): r's compute changes speed."""
+        before = self._speed(r)
+        self.active[r] += delta
+        self._rate_change(r, t, before)
 
     def _capacity(self, port) -> float:
         return self.m.intra_bw if port[1] == "fab" else self.m.inter_bw
@@ -272,10 +291,22 @@ class _Sim:
     def _rerate(self, ports, t: float) -> None:
         pf = self.port_flows
         a, b = pf[ports[0]], pf[ports[1]]
-        flows = a | b if len(a) + len(b) > 1 else (a or b)
+        self._rerate_flows(a | b if len(a) + len(b) > 1 else (a or b), t)
+
+    def _core_changed(self, r: int, t: float) -> None:
+        """Rank r started or ended a compute, or a transfer of r started or ended: with
+        ``transfer_cpu``, the messages of r change speed."""
+        if self.m.transfer_cpu and self.active[r]:
+            pf = self.port_flows
+            self._rerate_flows({f for k in ("fab", "nic") for d in ("out", "in") for f in pf.get((r, k, d), ())}, t)
+
+    def _rerate_flows(self, flows, t: float) -> None:
+        pf = self.port_flows
         for f in flows:
             p, q = f.ports
             rate = min(self._capacity(p) / len(pf[p]), self._capacity(q) / len(pf[q]))
+            if self.m.transfer_cpu:
+                rate /= max(self._shared(f.src), self._shared(f.dst))
             if rate == f.rate:
                 continue
             f.left -= (t - f.t) * f.rate
@@ -289,10 +320,10 @@ class _Sim:
         for p in msg.ports:
             self.port_flows[p].discard(msg)
         for r in (msg.src, msg.dst):
-            before = self._speed(r)
-            self.active[r] -= 1
-            self._rate_change(r, t, before)
+            self._transfers(r, t, -1)
         self._rerate(msg.ports, t)
+        for r in (msg.src, msg.dst):
+            self._core_changed(r, t)
         _, lat = self.m.link(msg.src, msg.dst)
         msg.done = t + lat
         if self.detail:
@@ -323,17 +354,15 @@ class _Sim:
         async_ = any(ev.get("async") for _, ev in inst["arrived"].values())
         for r in inst["arrived"]:
             if async_:
-                before = self._speed(r)
-                self.active[r] += 1
-                self._rate_change(r, t, before)
+                self._transfers(r, t, 1)
+                self._core_changed(r, t)
         self.push(t + dur, "collected", inst, async_)
 
     def _on_collected(self, t: float, inst: dict, async_: bool) -> None:
         for r, (_, ev) in inst["arrived"].items():
             if async_:
-                before = self._speed(r)
-                self.active[r] -= 1
-                self._rate_change(r, t, before)
+                self._transfers(r, t, -1)
+                self._core_changed(r, t)
             self.finish(r, ev["id"], t)
 
 

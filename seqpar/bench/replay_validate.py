@@ -47,22 +47,26 @@ PINGPONG_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
-def _pingpong_on_rank(sizes, repeats: int) -> list[float]:
-    """Median seconds of one exchange of each size between ranks 0 and 1 (both directions at once)."""
+def _pingpong_on_rank(sizes, repeats: int, cpu: bool = False) -> list:
+    """Median seconds of one exchange of each size between ranks 0 and 1 (both directions at once);
+    with ``cpu``, (seconds, CPU seconds of this process's other threads during the exchange) instead:
+    the main thread only waits, the threads that move the bytes (gloo's) run."""
     torch.set_num_threads(1)
     peer = 1 - dist.get_rank()
     out = []
     for size in sizes:
         send, recv = torch.zeros(size // 4), torch.empty(size // 4)
-        times = []
+        times, others = [], []
         for _ in range(repeats + 1):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, p0, c0 = time.perf_counter(), time.process_time(), time.thread_time()
             works = [dist.isend(send, peer), dist.irecv(recv, peer)]
             for w in works:
                 w.wait()
             times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times[1:]))
+            others.append((time.process_time() - p0) - (time.thread_time() - c0))
+        med = statistics.median(times[1:])
+        out.append((med, statistics.median(others[1:])) if cpu else med)
     return out
 
 
@@ -72,6 +76,22 @@ def calibrate_link(ranks: LocalRanks, sizes=PINGPONG_BYTES, repeats: int = 7) ->
     t = np.maximum(per_rank[0], per_rank[1])
     slope, lat = np.polyfit(np.asarray(sizes, float), t, 1)
     return 1.0 / max(slope, 1e-15), max(float(lat), 0.0)
+
+
+# Sizes of the transfer-CPU calibration: the messages of the validation's ring steps (8.4 MB) and
+# around them, long enough (2-9 ms here) that the threads' start-up is a small part.
+TRANSFER_CPU_BYTES = (1 << 22, 1 << 23, 1 << 24)
+
+
+def calibrate_transfer_cpu(ranks: LocalRanks, sizes=TRANSFER_CPU_BYTES, repeats: int = 7) -> float:
+    """Cores a message takes at each of its ends while it flows on this machine (``Machine.transfer_cpu``):
+    in the ping-pong each process sends one message and receives one (two ends), so the CPU time of
+    its other threads over the exchange's wall time, halved; the median over sizes and both ranks.
+    Measured here (gloo over loopback TCP, 2 cores): 0.2-0.45 per end, so a rank that computes while
+    its ring step's two messages flow shares its core with about 0.7 of another."""
+    per_rank = ranks.run(_pingpong_on_rank, 2, sizes, repeats, True, timeout=600)
+    shares = [other / wall / 2 for rows in per_rank for wall, other in rows if wall > 0]
+    return max(0.0, float(statistics.median(shares)))
 
 
 # Chunk sizes (bytes per member, as the traces record them) of the collective calibration: from a
@@ -124,12 +144,15 @@ def calibrate_collectives(ranks: LocalRanks, sizes=COLLECTIVE_BYTES, repeats: in
 
 
 def cpu_machine(bandwidth: float, latency: float, name: str = "this machine",
-                collectives: dict | None = None) -> Machine:
+                collectives: dict | None = None, transfer_cpu: float = 0.0) -> Machine:
     """Traced CPU times and host work, every rank its own port (one node); ``collectives`` from
-    :func:`calibrate_collectives` (else every collective runs on the ping-pong link)."""
-    return Machine(name, "local gloo ranks, link from a ping-pong" + (", collectives timed" if collectives else ""),
-                   ranks_per_node=1 << 20, intra_bw=bandwidth, inter_bw=bandwidth, intra_lat=latency,
-                   inter_lat=latency, kernels=None, host=True, collectives=dict(collectives or {}))
+    :func:`calibrate_collectives` (else every collective runs on the ping-pong link); ``transfer_cpu``
+    from :func:`calibrate_transfer_cpu` (else transfers take no CPU from the ranks)."""
+    desc = "local gloo ranks, link from a ping-pong" + (", collectives timed" if collectives else "")
+    desc += f", transfers take {transfer_cpu:.2f} core per end" if transfer_cpu else ""
+    return Machine(name, desc, ranks_per_node=1 << 20, intra_bw=bandwidth, inter_bw=bandwidth, intra_lat=latency,
+                   inter_lat=latency, kernels=None, host=True, transfer_cpu=transfer_cpu,
+                   collectives=dict(collectives or {}))
 
 
 class MachineLock:
@@ -378,5 +401,5 @@ def _overhead_on_rank(case: BenchCase, repeats: int) -> list[tuple[float, float,
     return out
 
 
-__all__ = ["STEADY_MALLOC", "MachineLock", "calibrate_link", "cpu_machine", "floor_traces", "kernel_class_traces",
+__all__ = ["STEADY_MALLOC", "MachineLock", "calibrate_link", "calibrate_transfer_cpu", "cpu_machine", "floor_traces", "kernel_class_traces",
            "one_core", "run_case", "tracing_overhead", "validate"]
