@@ -203,7 +203,7 @@ def markdown(result: dict, methods, sizes) -> str:
              f"thread per rank; glibc malloc keeps freed memory ("
              + ", ".join(f"`{k}={v}`" for k, v in result.get("malloc", {}).items())
              + f"). Link (ping-pong, once): {result['link']['bandwidth'] / 1e9:.2f} GB/s, "
-             f"{result['link']['latency'] * 1e6:.0f} us, a transfer takes "
+             f"{result['link']['latency'] * 1e6:.0f} us (the mean of 40 small exchanges), a transfer takes "
              f"{result['link'].get('transfer_cpu', 0.0):.2f} core at each end; collectives (timed once, the link each runs on): "
              + ", ".join(f"{k} {v['bandwidth'] / 1e9:.2f} GB/s, {v['latency'] * 1e6:.0f} us"
                          for k, v in result.get("collectives", {}).items())

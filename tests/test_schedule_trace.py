@@ -1,6 +1,7 @@
 """Traces built from the schedules alone (seqpar.bench.schedule_trace) equal, event by event (all
 but the times), the traces real runs record: every method, forward and backward, on 2, 3 and 4
-gloo ranks. This is what lets ``seqpar simulate`` replay 1024 ranks without running them."""
+gloo ranks, the rank agreement's gather included (and absent when check_ranks is off). This is what
+lets ``seqpar simulate`` replay 1024 ranks without running them."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ T, HQ, HKV, D = 48, 4, 2, 8
 TIMES = ("t", "w", "cpu", "wall")
 
 
-def _recorded(method: str, n: int) -> dict:
+def _recorded(method: str, n: int, check_ranks=None) -> dict:
     torch.manual_seed(0)
     tr = seqpar.Trace()
     if method in seqpar.LINEAR_METHODS:
         q, k, v = (torch.randn(1, T // n, HQ, D, requires_grad=True) for _ in range(3))
         g = torch.nn.functional.logsigmoid(torch.randn(1, T // n, HQ, D))
-        out, _ = seqpar.linear_attention(q, k, v, g, method=method, trace=tr)
+        out, _ = seqpar.linear_attention(q, k, v, g, method=method, trace=tr, check_ranks=check_ranks)
         out.sum().backward()
         return tr.to_dict()
     group = dist.group.WORLD
@@ -32,7 +33,7 @@ def _recorded(method: str, n: int) -> dict:
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     kwargs = {"ulysses_degree": 2} if method == "usp" else {}
     with pytest.warns(UserWarning) if method == "usp" else _nothing():
-        out = seqpar.attention(q, k, v, method=method, causal=True, trace=tr, **kwargs)
+        out = seqpar.attention(q, k, v, method=method, causal=True, trace=tr, check_ranks=check_ranks, **kwargs)
     out.backward(dout)
     return tr.to_dict()
 
@@ -58,13 +59,33 @@ def test_schedule_traces_equal_recorded_traces(method, n):
     recorded = run_distributed(_recorded, n, method, n, timeout=120)
     linear = method in seqpar.LINEAR_METHODS
     built = schedule_traces(method, n, Shape(T, 1, HQ, HQ if linear else HKV, D, True, 4, 4, 4),
-                            ulysses_degree=2 if method == "usp" else None)
+                            ulysses_degree=2 if method == "usp" else None, agreement=True)
     check_traces(built)
     for r in range(n):
         got, want = [_strip(e) for e in built[r].events], [_strip(e) for e in recorded[r]["events"]]
         assert len(got) == len(want), (method, r)
         for i, (a, b) in enumerate(zip(got, want)):
             assert a == b, f"{method} rank {r} event {i}:\n built    {a}\n recorded {b}"
+
+
+@pytest.mark.parametrize("method", ["zigzag_ring", "lasp2"])
+def test_the_rank_agreement_is_traced_unless_it_is_off(method):
+    """The default check_ranks gathers a digest at the start of each forward: 2 (N - 1) messages on
+    the stream check_ranks and their wait, recorded like the payload's; off, the trace has none."""
+    n = 3
+    on = run_distributed(_recorded, n, method, n, timeout=120)
+    off = run_distributed(_recorded, n, method, n, False, timeout=120)
+    linear = method in seqpar.LINEAR_METHODS
+    shape = Shape(T, 1, HQ, HQ if linear else HKV, D, True, 4, 4, 4)
+    for r in range(n):
+        check = [e for e in on[r]["events"] if e.get("chan") == "check_ranks"]
+        assert [e["type"] for e in check] == ["send", "send", "recv", "recv"]
+        assert {e["dst"] for e in check if e["type"] == "send"} == {(r + 1) % n, (r + 2) % n}
+        assert all(e["bytes"] == 32 and e["phase"] == "fwd" for e in check)
+        assert on[r]["events"][0]["type"] == "begin" and on[r]["events"][5]["type"] == "wait"
+        assert not [e for e in off[r]["events"] if e.get("chan") == "check_ranks"]
+        built = list(rank_events(method, n, r, shape, agreement=False))
+        assert [_strip(e) for e in built] == [_strip(e) for e in off[r]["events"]]
 
 
 def test_events_stream_lazily_and_forward_only_stops_early():

@@ -47,10 +47,10 @@ PINGPONG_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
-def _pingpong_on_rank(sizes, repeats: int, cpu: bool = False) -> list:
-    """Median seconds of one exchange of each size between ranks 0 and 1 (both directions at once);
-    with ``cpu``, (seconds, CPU seconds of this process's other threads during the exchange) instead:
-    the main thread only waits, the threads that move the bytes (gloo's) run."""
+def _pingpong_on_rank(sizes, repeats: int, cpu: bool = False, stat=statistics.median) -> list:
+    """Median (``stat``) seconds of one exchange of each size between ranks 0 and 1 (both directions
+    at once); with ``cpu``, (seconds, CPU seconds of this process's other threads during the exchange)
+    instead: the main thread only waits, the threads that move the bytes (gloo's) run."""
     torch.set_num_threads(1)
     peer = 1 - dist.get_rank()
     out = []
@@ -65,17 +65,27 @@ def _pingpong_on_rank(sizes, repeats: int, cpu: bool = False) -> list:
                 w.wait()
             times.append(time.perf_counter() - t0)
             others.append((time.process_time() - p0) - (time.thread_time() - c0))
-        med = statistics.median(times[1:])
-        out.append((med, statistics.median(others[1:])) if cpu else med)
+        med = stat(times[1:])
+        out.append((med, stat(others[1:])) if cpu else med)
     return out
 
 
-def calibrate_link(ranks: LocalRanks, sizes=PINGPONG_BYTES, repeats: int = 7) -> tuple[float, float]:
-    """(bandwidth bytes/s, latency s) of this machine's 2-rank link, by least squares on the ping-pong."""
+def calibrate_link(ranks: LocalRanks, sizes=PINGPONG_BYTES, repeats: int = 7,
+                   latency_repeats: int = 40) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of this machine's 2-rank link: the bandwidth by least squares
+    on the ping-pong's medians; the latency from the mean of ``latency_repeats`` exchanges of the
+    smallest size (0: the fit's intercept). The mean, not the median: a thread that waits for a
+    message on this VM wakes at once or, about one time in three, at the next 4 ms timer tick (a
+    32-byte exchange after a barrier: 0.1-0.3 ms in 8 of 12 tries, 2.8-4.2 ms in 4), and a replay
+    of a whole step needs the expected wait; the median hides the tail."""
     per_rank = ranks.run(_pingpong_on_rank, 2, sizes, repeats, timeout=600)
     t = np.maximum(per_rank[0], per_rank[1])
     slope, lat = np.polyfit(np.asarray(sizes, float), t, 1)
-    return 1.0 / max(slope, 1e-15), max(float(lat), 0.0)
+    bw = 1.0 / max(slope, 1e-15)
+    if latency_repeats:
+        small = ranks.run(_pingpong_on_rank, 2, sizes[:1], latency_repeats, False, statistics.mean, timeout=600)
+        lat = max(small[0][0], small[1][0]) - sizes[0] / bw
+    return bw, max(float(lat), 0.0)
 
 
 # Sizes of the transfer-CPU calibration: the messages of the validation's ring steps (8.4 MB) and

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from seqpar.comm.fingerprint import DIGEST_WORDS, QUICK_TAG
 from seqpar.kernels.linear_chunk import CHUNK
 from seqpar.linear.plans import resolve_plan
 from seqpar.methods import method as declared
@@ -215,15 +216,35 @@ def linear_pass(em: _Emit, method: str, me: int, n: int, c: int, s: Shape, bwd: 
     yield kernel("linear_bwd_finish" if bwd else "linear_output", "output")
 
 
+def agreement_pass(em: _Emit, me: int, n: int):
+    """The rank agreement's digest gather at the start of a call's forward (seqpar.comm.agreement on
+    the CPU channel): this rank's row of ``DIGEST_WORDS`` int64 to every other member, one from each,
+    then one wait."""
+    if n <= 1:
+        return
+    size = 8 * DIGEST_WORDS
+    sent = [em("send", src=me, dst=(me + d) % n, bytes=size, chan="check_ranks", tag=QUICK_TAG, deps=[])
+            for d in range(1, n)]
+    got = [em("recv", src=(me - d) % n, dst=me, bytes=size, chan="check_ranks", tag=QUICK_TAG) for d in range(1, n)]
+    yield from sent + got
+    yield em("wait", ids=[e["id"] for e in sent + got])
+
+
 def rank_events(method: str, n: int, rank: int, s: Shape, *, forward_only: bool = False,
-                ulysses_degree: int | None = None):
-    """Yield rank ``rank``'s events of one step (forward, then backward) of ``method`` on ``n`` ranks."""
+                ulysses_degree: int | None = None, agreement: bool = False):
+    """Yield rank ``rank``'s events of one step (forward, then backward) of ``method`` on ``n`` ranks.
+    ``agreement``: the forward starts with the rank agreement's gather, as on a group with a CPU
+    backend (the default ``check_ranks``); off for GPU replays, where that gather runs on the host
+    ahead of the device (docs/reliability.md) and its messages, 2 (N - 1) per rank, would dominate
+    a replay of 1024 ranks without changing its step."""
     em, spec = _Emit(), declared(method)
     c = s.seq_len // n
     for bwd in (False,) if forward_only else (False, True):
         em.phase = "bwd" if bwd else "fwd"
         region = ("linear " if spec.family == "linear" else "attention ") + em.phase
         yield em("begin", name=region)
+        if agreement and not bwd:
+            yield from agreement_pass(em, rank, n)
         if spec.family == "linear":
             yield from linear_pass(em, method, rank, n, c, s, bwd)
         elif spec.family == "ulysses":
@@ -241,13 +262,14 @@ def rank_events(method: str, n: int, rank: int, s: Shape, *, forward_only: bool 
 
 
 def schedule_traces(method: str, n: int, s: Shape, *, forward_only: bool = False,
-                    ulysses_degree: int | None = None, meta: dict | None = None) -> list[Trace]:
+                    ulysses_degree: int | None = None, meta: dict | None = None, agreement: bool = False) -> list[Trace]:
     """Every rank's trace, materialised (small N; the replay streams :func:`rank_events` for large N)."""
     out = []
     for r in range(n):
         tr = Trace.from_dict({"format": FORMAT, "version": VERSION, "rank": r, "world_size": n,
                               "meta": dict(meta or {}), "events": []})
-        tr.events = list(rank_events(method, n, r, s, forward_only=forward_only, ulysses_degree=ulysses_degree))
+        tr.events = list(rank_events(method, n, r, s, forward_only=forward_only, ulysses_degree=ulysses_degree,
+                                     agreement=agreement))
         out.append(tr)
     return out
 

@@ -124,12 +124,14 @@ def check_agreement(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict
                          "cu_seqlens); shard the global tensors with seqpar.shard on every rank.")
 
 
-def agreed(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict[str, object], prepare, *, device=None):
+def agreed(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict[str, object], prepare, *, device=None,
+           trace=None):
     """Run the local checks ``prepare()``, then check agreement: first the digest gather of
     :func:`~seqpar.comm.fingerprint.quick_agreement`, and only when it finds a difference (on every
     rank alike) :func:`check_agreement`, which says who passed what. A ``prepare`` error is held until
     after the gathers, so the other ranks raise naming this one instead of waiting. Returns what
-    ``prepare`` returned when every rank agreed; raises on every rank otherwise."""
+    ``prepare`` returned when every rank agreed; raises on every rank otherwise. ``trace`` (a
+    :class:`seqpar.Trace`) records the digest gather, not the fingerprints' (which end in an error)."""
     error = result = None
     try:
         result = prepare()
@@ -137,7 +139,7 @@ def agreed(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict[str, obj
         error = exc
     infos = [infos] if isinstance(infos, GroupInfo) else list(infos)
     gathering = [info for info in infos if not info.single]
-    if gathering and quick_agreement(gathering, entry, fields, error is not None, device=device):
+    if gathering and quick_agreement(gathering, entry, fields, error is not None, device=device, trace=trace):
         return result
     check_agreement(gathering, entry, fields, error, device=device)
     if not gathering:

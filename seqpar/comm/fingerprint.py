@@ -143,22 +143,23 @@ def check_device(info: GroupInfo, device=None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def gather_rows(info: GroupInfo, row: torch.Tensor, *, tag: int, device=None) -> torch.Tensor:
+def gather_rows(info: GroupInfo, row: torch.Tensor, *, tag: int, device=None, trace=None) -> torch.Tensor:
     """``[N, *row.shape]`` on the CPU: every member's ``row`` in group order.
 
     On the CPU channel each member sends its row to every other member and receives theirs (2(N-1)
     small messages posted at once, one round): a dead or silent member is named exactly by the
     :class:`~seqpar.comm.PeerError` of its own transfer, where a collective could only name the
     group. Messages carry ``tag``, so they never pair with payloads or with the other gather. On a
-    group without CPU support (NCCL only): one all-gather on ``device``.
+    group without CPU support (NCCL only): one all-gather on ``device``. ``trace``: a
+    :class:`seqpar.Trace` that records the messages (stream ``check_ranks``) or the all-gather.
     """
     where = check_device(info, device)
     if where.type != "cpu":
-        return all_gather_stack(info, row.to(where), name="check_ranks").cpu()
+        return all_gather_stack(info, row.to(where), name="check_ranks", trace=trace).cpu()
     n, me = info.size, info.rank
     sends = [(row, d, tag) for d in range(1, n)]
     recvs = [(torch.empty_like(row), -d, tag) for d in range(1, n)]
-    got = exchange(info, sends, recvs, name="check_ranks").wait()
+    got = exchange(info, sends, recvs, name="check_ranks", trace=trace).wait()
     rows = [row] * n
     for d, buf in zip(range(1, n), got):
         rows[(me - d) % n] = buf
@@ -166,15 +167,16 @@ def gather_rows(info: GroupInfo, row: torch.Tensor, *, tag: int, device=None) ->
 
 
 def quick_agreement(infos: list[GroupInfo], entry: str, fields: dict[str, str], failed: bool,
-                    *, device=None) -> bool:
+                    *, device=None, trace=None) -> bool:
     """One gather of a digest per group in ``infos``: True when every rank reported no local error
     (``failed``) and the same digest. Each gather carries the verdict of the previous ones, so on a
-    grid of groups (usp's two axes) every rank ends with the same answer."""
+    grid of groups (usp's two axes) every rank ends with the same answer. ``trace`` records the
+    gathers (they are part of the call's communication)."""
     bad = failed
     words = field_digest(entry, fields)
     for info in infos:
         row = torch.tensor([int(bad), *words], dtype=torch.int64)
-        rows = gather_rows(info, row, tag=QUICK_TAG, device=device)
+        rows = gather_rows(info, row, tag=QUICK_TAG, device=device, trace=trace)
         bad = bool(rows[:, 0].any()) or not bool((rows[:, 1:] == rows[0, 1:]).all())
     return not bad
 

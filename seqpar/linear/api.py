@@ -129,7 +129,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return _launch(q, k, v, g, initial_state, *prepared)
     prepared = agreed(info, "seqpar.linear_attention", call_fields(arguments),
                       lambda: _prepare(q, k, v, g, info, *args),
-                      device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
+                      device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None, trace=trace)
     return _launch(q, k, v, g, initial_state, *prepared)
 
 

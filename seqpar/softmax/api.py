@@ -187,7 +187,7 @@ def _attend(q, k, v, arguments: dict) -> torch.Tensor:
         call = agreed(agreement_groups(group, usp=method == "usp", ulysses_degree=opts["ulysses_degree"]),
                       "seqpar.attention", _fingerprint(arguments),
                       lambda: _prepare(q, k, v, same_offsets_check=False, **opts),
-                      device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None)
+                      device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None, trace=trace)
     out = FAMILIES[call.spec.family](q.contiguous(), k.contiguous(), v.contiguous(), replace(call, trace=trace))
     end(trace, "attention fwd")
     return out
