@@ -199,6 +199,56 @@ def test_cpu_transfer_shares_the_core_of_a_computing_rank():
     assert replay([c.dict(), d.dict()], m).step_s == pytest.approx(1e-3 + LAT)
 
 
+def test_cpu_transfer_speeds_up_when_the_compute_ends_or_starts_later():
+    m = replace(CPU, transfer_cpu=0.5)
+    # the 0.5 ms kernel runs 1.5x slower (0.75 ms) and so does the message meanwhile (0.5 of its 1 ms
+    # done), whose other half then flows at full speed: it ends at 1.25 ms
+    res = replay(_sender_computes(0.5), m)
+    assert res.messages[0][3] == pytest.approx(1.25e-3 + LAT)
+    assert res.ranks[0].end_s == pytest.approx(1.25e-3 + LAT)
+    a, b = _ranks(2)  # a message in flight when its receiver starts computing
+    big, small = a.send(1, 10**6), a.send(1, 1000, tag=1)
+    a.wait(big, small)
+    rb, rs = b.recv(0, 10**6), b.recv(0, 1000, tag=1)
+    b.wait(rs)
+    b.compute(4.0)
+    b.wait(rb)
+    res = replay([a.dict(), b.dict()], m)
+    # both share the ports at BW / 2 until the small one's last byte (2 us), the big one then flows at
+    # BW until rank 1 has the small one (+ LAT) and starts its kernel, then at BW / 1.5
+    t_small = 2 * 1000 / BW
+    left = 10**6 - 1000 - LAT * BW
+    done = {x[4]: x[3] for x in res.messages}
+    assert done[10**6] == pytest.approx(t_small + LAT + left * 1.5 / BW + LAT)
+    assert res.ranks[1].end_s == pytest.approx(t_small + LAT + 4e-3 + (left * 1.5 / BW) * (1 - 1 / 1.5))
+
+
+def test_cpu_asynchronous_collective_shares_the_core():
+    m = replace(CPU, transfer_cpu=0.5, collectives={"all_gather": (BW, 0.0)})
+    ranks = _ranks(2)
+    for r in ranks:
+        g = r.coll("all_gather", range(2), 10**6, async_op=True)  # 1 ms at BW, one step of two members
+        r.compute(4.0)
+        r.wait(g)
+    res = replay([x.dict() for x in ranks], m)
+    # one transfer end per rank for the collective's 1 ms: the kernel does 1/1.5 ms of work then
+    assert res.step_s == pytest.approx(1e-3 + 4e-3 - 1e-3 / 1.5)
+    a, b = _ranks(2)  # the collective starts while a message of a computing rank flows: it slows too
+    s, g = a.send(1, 2 * 10**6), a.coll("all_gather", range(2), 10**6, async_op=True)
+    a.compute(4.0)
+    a.wait(s, g)
+    r = b.recv(0, 2 * 10**6)
+    b.compute(1.0)
+    b.wait(b.coll("all_gather", range(2), 10**6, async_op=True))
+    b.wait(r)
+    res = replay([a.dict(), b.dict()], m)
+    # 0-1.5 ms: both compute with one end each, 1.5x slower: 1 MB flows, rank 1's kernel ends. 1.5-2.5:
+    # the all-gather; rank 0 computes with two ends (2x), rank 1 waits: 0.5 MB. Then 1.5x again: the
+    # last 0.5 MB takes 0.75 ms. Rank 0's kernel: 1 + 0.5 + 0.5 ms of work by 3.25 ms, 2 ms after
+    assert res.messages[0][3] == pytest.approx(3.25e-3 + LAT)
+    assert res.ranks[0].end_s == pytest.approx(5.25e-3)
+
+
 def test_inconsistent_traces_raise_naming_the_problem():
     a, b = _ranks(2, meta={"method": "ring"})
     a.wait(a.send(1, 100))
@@ -256,6 +306,10 @@ def test_profiles_and_the_kernel_model(tmp_path):
     timed = replace(CPU, collectives={"all_gather": (BW / 2, LAT), "reduce": (BW, 0.0)}, transfer_cpu=0.3)
     save_machine(timed, saved)
     assert load_machine(saved) == timed
+    assert machine(str(saved), kernels="h100-fa3").transfer_cpu == 0.0  # a GPU's kernels: no gloo threads
+    save_machine(replace(timed, transfer_cpu=-0.1), saved)
+    with pytest.raises(ValueError, match="m.json.*transfer_cpu=-0.1 < 0"):
+        load_machine(saved)
     with pytest.raises(ValueError, match="kernels='tpu'"):
         machine("pcie", kernels="tpu")
 

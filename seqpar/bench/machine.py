@@ -229,7 +229,9 @@ def machine(name_or_path: str, *, kernels: str | None = None) -> Machine:
     if kernels is not None:
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} is not known; choose from {', '.join(KERNELS)}")
-        m = replace(m, kernels=KERNELS[kernels], host=False, overlap_slowdown=KERNELS[kernels].overlap_slowdown)
+        # a GPU's kernels: no host work, the GPU's overlap slowdown, and no CPU taken by transfers
+        m = replace(m, kernels=KERNELS[kernels], host=False, overlap_slowdown=KERNELS[kernels].overlap_slowdown,
+                    transfer_cpu=0.0)
     return m
 
 
@@ -251,6 +253,8 @@ def load_machine(path: str | Path) -> Machine:
                                             "inter_lat")}
             k = data.get("kernels")
             colls = {kind: (float(bw), float(lat)) for kind, (bw, lat) in data.get("collectives", {}).items()}
+            if float(data.get("transfer_cpu", 0.0)) < 0:
+                raise ValueError(f"transfer_cpu={data['transfer_cpu']} < 0 (cores a transfer takes per end)")
             return Machine(**fields_, description=data.get("description", ""),
                            kernels=KERNELS[k] if k else None, host=bool(data.get("host", k is None)),
                            overlap_slowdown=float(data.get("overlap_slowdown", 0.0)),

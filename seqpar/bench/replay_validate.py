@@ -83,8 +83,9 @@ def calibrate_link(ranks: LocalRanks, sizes=PINGPONG_BYTES, repeats: int = 7,
     slope, lat = np.polyfit(np.asarray(sizes, float), t, 1)
     bw = 1.0 / max(slope, 1e-15)
     if latency_repeats:
-        small = ranks.run(_pingpong_on_rank, 2, sizes[:1], latency_repeats, False, statistics.mean, timeout=600)
-        lat = max(small[0][0], small[1][0]) - sizes[0] / bw
+        least = min(sizes)
+        small = ranks.run(_pingpong_on_rank, 2, [least], latency_repeats, False, statistics.mean, timeout=600)
+        lat = max(small[0][0], small[1][0]) - least / bw
     return bw, max(float(lat), 0.0)
 
 

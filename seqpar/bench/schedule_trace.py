@@ -219,7 +219,9 @@ def linear_pass(em: _Emit, method: str, me: int, n: int, c: int, s: Shape, bwd: 
 def agreement_pass(em: _Emit, me: int, n: int):
     """The rank agreement's digest gather at the start of a call's forward (seqpar.comm.agreement on
     the CPU channel): this rank's row of ``DIGEST_WORDS`` int64 to every other member, one from each,
-    then one wait."""
+    then one wait. One flat group of ranks 0..n-1, as these traces assume throughout; a group
+    without a CPU backend records one ``all_gather`` instead, and usp given a mesh or a pair of
+    groups gathers once per axis."""
     if n <= 1:
         return
     size = 8 * DIGEST_WORDS
