@@ -47,6 +47,7 @@ import torch
 from seqpar import __version__
 from seqpar.bench.core import BenchCase
 from seqpar.bench.replay_validate import (
+    LATENCY_REPEATS,
     STEADY_MALLOC,
     MachineLock,
     calibrate_collectives,
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         colls = calibrate_collectives(ranks)
         share = calibrate_transfer_cpu(ranks)
         m = cpu_machine(bw, lat, collectives=colls, transfer_cpu=share)
-        result["link"] = {"bandwidth": bw, "latency": lat, "transfer_cpu": share}
+        result["link"] = {"bandwidth": bw, "latency": lat, "latency_repeats": LATENCY_REPEATS, "transfer_cpu": share}
         result["collectives"] = {k: {"bandwidth": b, "latency": lt} for k, (b, lt) in colls.items()}
         for run in range(args.runs):
             if run and not _wait_idle(args.max_load, args.wait):
@@ -203,8 +204,10 @@ def markdown(result: dict, methods, sizes) -> str:
              f"thread per rank; glibc malloc keeps freed memory ("
              + ", ".join(f"`{k}={v}`" for k, v in result.get("malloc", {}).items())
              + f"). Link (ping-pong, once): {result['link']['bandwidth'] / 1e9:.2f} GB/s, "
-             f"{result['link']['latency'] * 1e6:.0f} us (the mean of 40 small exchanges), a transfer takes "
-             f"{result['link'].get('transfer_cpu', 0.0):.2f} core at each end; collectives (timed once, the link each runs on): "
+             f"{result['link']['latency'] * 1e6:.0f} us (the mean of "
+             f"{result['link'].get('latency_repeats', LATENCY_REPEATS)} small exchanges), a transfer takes "
+             f"{result['link'].get('transfer_cpu', 0.0):.2f} core at each end; collectives (timed once, the link each "
+             "runs on): "
              + ", ".join(f"{k} {v['bandwidth'] / 1e9:.2f} GB/s, {v['latency'] * 1e6:.0f} us"
                          for k, v in result.get("collectives", {}).items())
              + ". Loads (1-min average) before/after each run: "

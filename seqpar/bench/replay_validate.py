@@ -70,8 +70,11 @@ def _pingpong_on_rank(sizes, repeats: int, cpu: bool = False, stat=statistics.me
     return out
 
 
+LATENCY_REPEATS = 40  # exchanges of the smallest size whose mean is the link's latency
+
+
 def calibrate_link(ranks: LocalRanks, sizes=PINGPONG_BYTES, repeats: int = 7,
-                   latency_repeats: int = 40) -> tuple[float, float]:
+                   latency_repeats: int = LATENCY_REPEATS) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) of this machine's 2-rank link: the bandwidth by least squares
     on the ping-pong's medians; the latency from the mean of ``latency_repeats`` exchanges of the
     smallest size (0: the fit's intercept). The mean, not the median: a thread that waits for a
@@ -412,5 +415,6 @@ def _overhead_on_rank(case: BenchCase, repeats: int) -> list[tuple[float, float,
     return out
 
 
-__all__ = ["STEADY_MALLOC", "MachineLock", "calibrate_link", "calibrate_transfer_cpu", "cpu_machine", "floor_traces", "kernel_class_traces",
+__all__ = ["LATENCY_REPEATS", "STEADY_MALLOC", "MachineLock", "calibrate_link", "calibrate_transfer_cpu", "cpu_machine",
+           "floor_traces", "kernel_class_traces",
            "one_core", "run_case", "tracing_overhead", "validate"]

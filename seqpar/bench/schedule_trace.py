@@ -264,7 +264,8 @@ def rank_events(method: str, n: int, rank: int, s: Shape, *, forward_only: bool 
 
 
 def schedule_traces(method: str, n: int, s: Shape, *, forward_only: bool = False,
-                    ulysses_degree: int | None = None, meta: dict | None = None, agreement: bool = False) -> list[Trace]:
+                    ulysses_degree: int | None = None, meta: dict | None = None,
+                    agreement: bool = False) -> list[Trace]:
     """Every rank's trace, materialised (small N; the replay streams :func:`rank_events` for large N)."""
     out = []
     for r in range(n):
