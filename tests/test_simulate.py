@@ -235,9 +235,8 @@ def test_validation_pairs_every_n_rank_step_with_a_one_rank_step():
                     [(e["name"], e.get("shape")) for e in single[0][0]["events"] if e["type"] == "compute"], meth
 
 
-def test_measured_block_times_replace_the_kernel_model(tmp_path, monkeypatch):
-    """benchmarks/project_replay.py --kernel-times: a block in the file takes its measured time (plus
-    the modelled epilogue and launch), the others keep the model; a file without rows is a clear error."""
+def _project_replay(monkeypatch):
+    """benchmarks/project_replay.py as a module."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -247,6 +246,13 @@ def test_measured_block_times_replace_the_kernel_model(tmp_path, monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "project_replay", mod)  # its dataclass looks itself up there
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_measured_block_times_replace_the_kernel_model(tmp_path, monkeypatch):
+    """benchmarks/project_replay.py --kernel-times: a block in the file takes its measured time (plus
+    the modelled epilogue and launch), the others keep the model; a file without rows is a clear error."""
+    mod = _project_replay(monkeypatch)
     shape = [1, 8192, 8192, 32, 8, 128]
     rows = [{"event": "block_fwd", "shape": shape, "mask": "causal", "flash": {"median_ms": 7.0}}]
     good = tmp_path / "t.json"
@@ -264,3 +270,27 @@ def test_measured_block_times_replace_the_kernel_model(tmp_path, monkeypatch):
     for f in (bad, tmp_path / "missing.json"):
         with pytest.raises(ValueError, match=f.name):
             mod.measured_kernels(str(f), H100.kernels)
+
+
+def test_ringflash_sensitivity_moves_only_with_its_two_inputs(monkeypatch):
+    """project_replay.sensitivity: its point at the profile's own bandwidth and the default slowdown is
+    the committed comparison row (ring-flash-attention's epilogue); a slower send/recv link or a larger
+    overlap slowdown never raises a row's efficiency, and both lower zigzag_ring's forward+backward."""
+    mod = _project_replay(monkeypatch)
+    rows = mod.sensitivity()
+    base = {(r["profile"], r["forward_only"], r["method"]): r["replayed_pct"] for r in mod.ringflash()
+            if r["epilogue"] == "ring-flash-attention" and r["kernels"] == "model"}
+    own = {p: machine(p).intra_bw for p, _ in mod.PUBLISHED}
+    grid = {(r["profile"], r["forward_only"], r["method"], r["p2p_bw"], r["overlap_slowdown"]): r["replayed_pct"]
+            for r in rows}
+    assert len(grid) == len(rows) == len(base) * len(mod.SENSITIVITY_BW) * len(mod.SENSITIVITY_SLOWDOWN)
+    for (p, fwd, meth), pct in base.items():
+        assert grid[(p, fwd, meth, own[p], 0.189)] == pytest.approx(pct)
+        bws = sorted({b or own[p] for b in mod.SENSITIVITY_BW}, reverse=True)
+        for slow in mod.SENSITIVITY_SLOWDOWN:
+            pcts = [grid[(p, fwd, meth, b, slow)] for b in bws]
+            assert all(a >= b - 1e-9 for a, b in zip(pcts, pcts[1:])), (p, fwd, meth, slow, pcts)
+        for b in bws:
+            assert grid[(p, fwd, meth, b, 0.40)] <= grid[(p, fwd, meth, b, 0.189)] + 1e-9
+        if meth == "zigzag_ring" and not fwd:
+            assert grid[(p, fwd, meth, min(bws), 0.40)] < pct - 1.0
