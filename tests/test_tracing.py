@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.bench.machine import Machine
+from seqpar.bench.replay import replay
 from seqpar.bench.trace_check import check_traces, match_messages
 from seqpar.comm import CommStats
 from seqpar.testing import run_distributed
@@ -86,6 +88,43 @@ def test_packed_traces_are_consistent_and_count_visible_pairs(method):
     fwd = sum(e["flops"] for tr in traces for e in tr.events if e["type"] == "compute" and e["phase"] == "fwd")
     assert fwd == pytest.approx(4.0 * pairs * HQ * D)
     assert all(e["name"].startswith("varlen") for tr in traces for e in tr.events if e["type"] == "compute")
+
+
+def _packed_offsets_step(kind: str, check_ranks: bool):
+    """One packed forward with check_ranks on or off; the trace's events."""
+    torch.manual_seed(0)
+    group, cu = dist.group.WORLD, [0, 5, 19, 20, T]
+    tr = Trace()
+    if kind == "softmax":
+        full = [torch.randn(1, T, h, D) for h in (HQ, HKV, HKV)]
+        q, k, v = (seqpar.shard(x, method="zigzag_ring", group=group, cu_seqlens=cu) for x in full)
+        seqpar.attention(q, k, v, method="zigzag_ring", causal=True, cu_seqlens=cu, check_ranks=check_ranks, trace=tr)
+    else:
+        # linear methods shard a packed batch densely (contiguous); the offsets go to the call only
+        q, k, v = (seqpar.shard(torch.randn(1, T, 2, 8), method="zeco", group=group) for _ in range(3))
+        seqpar.linear_attention(q, k, v, method="zeco", cu_seqlens=cu, check_ranks=check_ranks, trace=tr)
+    return tr.to_dict()
+
+
+@pytest.mark.parametrize("kind", ("softmax", "linear"))
+def test_the_packed_offsets_check_is_traced(kind):
+    """With check_ranks off a packed call still all-gathers a 3-number fingerprint of cu_seqlens (24
+    bytes per rank, before any payload): the trace records it. With check_ranks on, the agreement's
+    digest carries cu_seqlens and there is no separate gather."""
+    off_traces = run_distributed(_packed_offsets_step, 2, kind, False, timeout=120)
+    off = [t["events"] for t in off_traces]
+    on = [t["events"] for t in run_distributed(_packed_offsets_step, 2, kind, True, timeout=120)]
+    traces = _traces([(t,) for t in off_traces])
+    check_traces(traces)  # the gather pairs up across ranks and the replay takes it
+    assert replay(traces, Machine("cpu", intra_bw=1e9, intra_lat=1e-5)).step_s > 0
+    for r in range(2):
+        gathers = [e for e in off[r] if e.get("chan") == "check_cu_seqlens"]
+        assert [(e["type"], e["kind"], e["bytes"], e["members"], e["phase"]) for e in gathers] == \
+            [("coll", "all_gather", 24, [0, 1], "fwd")]
+        first_payload = min(e["id"] for e in off[r] if e["type"] in ("send", "recv", "coll") and e is not gathers[0])
+        assert gathers[0]["id"] < first_payload
+        assert not [e for e in on[r] if e.get("chan") == "check_cu_seqlens"]
+        assert [e for e in on[r] if e.get("chan") == "check_ranks"]
 
 
 @pytest.mark.parametrize("method", ("zeco", "lasp2", "lasp1"))

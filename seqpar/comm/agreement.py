@@ -191,12 +191,13 @@ def agreement_groups(group, *, usp: bool = False, ulysses_degree: int | None = N
 
 
 def check_same_on_ranks(cu_host: Sequence[int], group=None, *, device=None,
-                        argument: str = "cu_seqlens") -> None:
+                        argument: str = "cu_seqlens", trace=None) -> None:
     """Cheap collective check that every rank passed the same ``cu_seqlens``.
 
     All-gathers a 3-number fingerprint (count, total, weighted checksum) on ``device``
     (default: the group's collective device, the GPU under NCCL). Every rank sees every
     fingerprint, so every rank raises the same ``ValueError`` and none is left waiting.
+    ``trace``: records the all-gather (channel ``check_cu_seqlens``, 24 bytes per member).
     """
     info = group_info(group)
     if info.single:
@@ -205,7 +206,7 @@ def check_same_on_ranks(cu_host: Sequence[int], group=None, *, device=None,
     p = (1 << 61) - 1
     fp = torch.tensor([len(cu_host), cu_host[-1], sum((i + 1) * x for i, x in enumerate(cu_host)) % p],
                       dtype=torch.int64, device=device)
-    got = all_gather_stack(info, fp, name="check_cu_seqlens").cpu()
+    got = all_gather_stack(info, fp, name="check_cu_seqlens", trace=trace).cpu()
     bad = [r for r in range(info.size) if not torch.equal(got[r], got[0])]
     if bad:
         raise ValueError(f"{argument} differs across ranks (ranks {bad} disagree with rank 0): pass the same "

@@ -125,7 +125,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         prepared = _prepare(q, k, v, g, info, *args)
         if prepared[2] is not None:  # packed: the same offsets on every rank (a 3-number all-gather, as
             # for softmax attention); different offsets would silently mix documents across ranks
-            check_same_on_ranks(prepared[2], group, device=q.device if q.is_cuda else None)
+            check_same_on_ranks(prepared[2], group, device=q.device if q.is_cuda else None, trace=trace)
         return _launch(q, k, v, g, initial_state, *prepared)
     prepared = agreed(info, "seqpar.linear_attention", call_fields(arguments),
                       lambda: _prepare(q, k, v, g, info, *args),

@@ -72,16 +72,16 @@ def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, gr
     return spec
 
 
-def _check_same(host, method, group, ulysses_degree, q) -> None:
-    """The same cu_seqlens on every rank: a 3-number all-gather (skipped for a prebuilt
-    PackedLayout, and for usp given as a mesh or a pair of groups, which has no flat group)."""
+def _check_same(host, method, group, ulysses_degree, q, trace) -> None:
+    """The same cu_seqlens on every rank: a 3-number all-gather, recorded in ``trace`` (skipped for a
+    prebuilt PackedLayout, and for usp given as a mesh or a pair of groups, which has no flat group)."""
     if method == "usp":
         flat = describe_usp(group, ulysses_degree).flat
         if flat is None or flat.single:
             return
         group = flat.group
     device = q.device if q.is_cuda else None  # NCCL groups need CUDA tensors
-    check_same_on_ranks(host, group, device=device)
+    check_same_on_ranks(host, group, device=device, trace=trace)
 
 
 def _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method):
@@ -181,7 +181,7 @@ def _attend(q, k, v, arguments: dict) -> torch.Tensor:
     if not check_ranks_enabled(arguments["check_ranks"]) or (tape is not None and tape.replaying):
         # (a checkpoint's recomputation replays a call whose arguments the forward checked; the tape
         # verifies that the shapes are the same)
-        call = _prepare(q, k, v, same_offsets_check=tape is None or not tape.replaying, **opts)
+        call = _prepare(q, k, v, same_offsets_check=tape is None or not tape.replaying, trace=trace, **opts)
     else:
         # the fingerprint carries cu_seqlens: no separate offsets gather
         call = agreed(agreement_groups(group, usp=method == "usp", ulysses_degree=opts["ulysses_degree"]),
@@ -194,9 +194,9 @@ def _attend(q, k, v, arguments: dict) -> torch.Tensor:
 
 
 def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
-             ulysses_degree, ring_method, window, same_offsets_check: bool, sinks=None) -> "CallSpec":
+             ulysses_degree, ring_method, window, same_offsets_check: bool, sinks=None, trace=None) -> "CallSpec":
     """Every local check of a call, and its CallSpec. Communicates only for ``same_offsets_check``
-    (packed input: the cu_seqlens fingerprint all-gather of :func:`_check_same`)."""
+    (packed input: the cu_seqlens fingerprint all-gather of :func:`_check_same`, recorded in ``trace``)."""
     check_usp_options(method, ulysses_degree, ring_method)
     channels = None
     if isinstance(group, TokenRingGroups):  # the group plus one communicator per traffic direction
@@ -213,7 +213,7 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
         if not isinstance(cu_seqlens, PackedLayout):
             host = check_cu_seqlens(cu_seqlens, None)
             if same_offsets_check:
-                _check_same(host, method, group, ulysses_degree, q)
+                _check_same(host, method, group, ulysses_degree, q, trace)
             cu_seqlens = host
         packed = _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method)
     spec = _validate(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
