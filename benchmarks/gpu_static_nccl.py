@@ -52,8 +52,9 @@ def main(argv=None) -> int:
              f"`python benchmarks/gpu_static_nccl.py` ({len(rows)} rows, {time.perf_counter() - t0:.0f} s). "
              "A row is clean when no NCCL op got a CPU tensor or a tensor off the rank's GPU, the ranks' "
              "collectives and send/receive pairs match, no CUDA stream/event/sync sits on a CPU path, every "
-             "backward returned gradients like its inputs, the phases that must communicate did, and no CUDA "
-             "value was read on the host where none may be. Ops are summed over the 4 ranks.", "",
+             "backward returned gradients like its inputs, the phases that must communicate did, no CUDA "
+             "value was read on the host where none may be, and no clock read of seqpar's timing code closed an "
+             "interval with GPU work still in flight. Ops are summed over the 4 ranks.", "",
              "| method / entry point | layout | group | CI | result | c10d ops by phase | backward | host reads |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

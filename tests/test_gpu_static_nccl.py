@@ -5,7 +5,8 @@ CUDA-only backend, fake CUDA tensors, torch.cuda answering like a GPU machine. A
 collective or point-to-point op got a CPU tensor (or a tensor off the rank's device), no CUDA stream,
 event or synchronisation was used on a CPU path, the ranks issued matching collectives and
 send/receive pairs (what NCCL needs not to hang), every backward returned gradients shaped like its
-inputs, and the phases that must communicate did. The matrix is tests/gpu_static/nccl_cases.py; the
+inputs, the phases that must communicate did, and no clock read of seqpar's timing code closed an
+interval with GPU work still in flight (a step or phase timed without a device synchronize). The matrix is tests/gpu_static/nccl_cases.py; the
 rows not marked for CI run with SEQPAR_GPU_STATIC_FULL=1 (benchmarks/gpu_static_nccl.py writes them all).
 """
 
@@ -189,3 +190,38 @@ def test_object_collectives_replay_rank_0():
 
     assert [r.result for r in run_ranks(drive)] == ["plan of rank 0"] * 4
     assert fake_nccl.WORLD == 4
+
+
+def test_a_clock_read_with_gpu_work_in_flight_is_reported(monkeypatch):
+    """On a GPU, NCCL ops and kernels return to the host at once: a step timed without a device
+    synchronize times the launches. calibrate's overlap phase synchronises before each clock read
+    (clean); with that removed, its comm-alone timing closes with a send in flight (reported)."""
+    from gpu_static import nccl_entries
+
+    from seqpar.bench import measure
+
+    run_ranks(nccl_entries.phase_overlap_drive)
+    monkeypatch.setattr(measure, "_sync", lambda dev: None)
+    with pytest.raises(AssertionError, match=r"host clock read with GPU work in flight: time\.perf_counter at "
+                                             r"seqpar/bench/measure\.py:\d+ in comm_alone: c10d\.send"):
+        run_ranks(nccl_entries.phase_overlap_drive)
+
+
+def test_what_settles_the_device_for_the_clock_check():
+    """What makes the device idle for the check: torch.cuda.synchronize, a host read of a CUDA value
+    (the host waits for its stream) and NCCL's barrier (it blocks the host). A clock read after any
+    of them is clean; after an all-reduce with none of them, it is reported."""
+    def drive(run):
+        x = torch.ones(4, device="cuda")
+        for settle in (lambda: torch.cuda.synchronize(), lambda: float(x.sum()), torch.distributed.barrier):
+            torch.distributed.all_reduce(x)
+            settle()
+            run.clock_read("time.perf_counter", "here")
+        assert not run.violations
+        torch.distributed.all_reduce(x)
+        run.clock_read("time.perf_counter", "here")
+        assert [v.kind for v in run.violations] == ["host clock read with GPU work in flight"]
+        assert "c10d.allreduce_ at tests/test_gpu_static_nccl.py" in run.violations[0].detail
+        run.violations.clear()
+
+    run_ranks(drive)

@@ -44,22 +44,33 @@ def _solo_group():
     return groups[dist.get_rank()]
 
 
-def _attention_seconds(method: str, s: int, shape: tuple[int, int, int], group, dev, reps: int,
-                       warmup: int = 1) -> float:
-    """Median seconds of one causal fwd+bwd of ``method`` on ``group`` (one rank) at length ``s``."""
+def _step_inputs(s: int, shape: tuple[int, int, int], dev) -> list:
+    """q, k, v, dout of one rank's causal step at length ``s`` (seeded by ``s``), on ``dev``."""
     import torch
-
-    from seqpar.softmax import attention
 
     h, hk, d = shape
     gen = torch.Generator().manual_seed(s)
-    q, k, v, dout = (torch.randn(1, s, n, d, generator=gen).to(dev) for n in (h, hk, hk, h))
+    return [torch.randn(1, s, n, d, generator=gen).to(dev) for n in (h, hk, hk, h)]
+
+
+def _one_step(method: str, inputs: list, group) -> None:
+    """One causal fwd+bwd of ``method`` on ``group`` (queued: the caller synchronises the device)."""
+    from seqpar.softmax import attention
+
+    q, k, v, dout = inputs
+    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+    attention(qq, kk, vv, method=method, causal=True, group=group).backward(dout)
+
+
+def _attention_seconds(method: str, s: int, shape: tuple[int, int, int], group, dev, reps: int,
+                       warmup: int = 1) -> float:
+    """Median seconds of one causal fwd+bwd of ``method`` on ``group`` (one rank) at length ``s``."""
+    inputs = _step_inputs(s, shape, dev)
     times = []
     for i in range(reps + warmup):
-        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
         _sync(dev)
         t0 = time.perf_counter()
-        attention(qq, kk, vv, method=method, causal=True, group=group).backward(dout)
+        _one_step(method, inputs, group)
         _sync(dev)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -167,11 +178,14 @@ def phase_overlap(method, s, shape, message, reps) -> dict:
                                        dist.P2POp(dist.irecv, recv, (rank - 1) % world)])
 
     def comm_alone():
+        _sync(dev)
         t0 = time.perf_counter()
         for w in start():
             w.wait()
+        _sync(dev)  # under NCCL wait() only orders the streams: the transfer ends on the device
         return time.perf_counter() - t0
 
+    inputs = _step_inputs(s, shape, dev)  # made before any clock starts, as _attention_seconds does
     tc, tp, tb = [], [], []
     for _ in range(reps):
         dist.barrier()
@@ -179,27 +193,17 @@ def phase_overlap(method, s, shape, message, reps) -> dict:
         dist.barrier()
         tp.append(_max_all(comm_alone()))
         dist.barrier()
+        _sync(dev)
         t0 = time.perf_counter()
         works = start()
-        _one_step(method, s, shape, solo, dev)
+        _one_step(method, inputs, solo)
         for w in works:
             w.wait()
+        _sync(dev)
         tb.append(_max_all(time.perf_counter() - t0))
     c, p, b = (statistics.median(x) for x in (tc, tp, tb))
     factor = min(1.0, max(0.0, (c + p - b) / min(c, p))) if world > 1 else 1.0
     return {"compute_s": c, "comm_s": p, "both_s": b, "bytes": n * 4, "overlap": factor}
-
-
-def _one_step(method, s, shape, group, dev) -> None:
-    import torch
-
-    from seqpar.softmax import attention
-
-    h, hk, d = shape
-    q, k, v, dout = (torch.randn(1, s, n, d, device=dev) for n in (h, hk, hk, h))
-    qq, kk, vv = (x.requires_grad_() for x in (q, k, v))
-    attention(qq, kk, vv, method=method, causal=True, group=group).backward(dout)
-    _sync(dev)
 
 
 def phase_memory(method, s, shape) -> dict:
@@ -285,6 +289,7 @@ def phase_plans(plans_json, lens, shape, seed: int, warmup: int, repeats: int):
         dist.barrier()
         t0 = time.perf_counter()
         loss = train_step(plans[k], lens, rank, groups, loss_fn, [])
+        _sync(dev)  # the backward is queued on a GPU: the step ends when the device does
         return time.perf_counter() - t0, loss
 
     times = [[] for _ in plans]

@@ -44,7 +44,7 @@ from .trainer_config import (
 )
 from .trainer_data import PackedSequences, TextFiles
 from .trainer_log import TrainLog, plot_losses, summary
-from .trainer_step import Runtime, lr_at, maybe_crash, peak_memory_mib, static_step
+from .trainer_step import Runtime, lr_at, maybe_crash, peak_memory_mib, static_step, sync
 
 
 @dataclass
@@ -252,6 +252,7 @@ def _rank_main(cfg: TrainConfig) -> TrainResult | None:
                 else contextlib.nullcontext())
     try:
         for step in range(run.result.start_step + 1, cfg.steps + 1):
+            sync(run.rt.device)
             t0, c0 = time.perf_counter(), time.process_time()
             loss, plan = _step(run, step, autocast)
             clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
@@ -261,6 +262,7 @@ def _rank_main(cfg: TrainConfig) -> TrainResult | None:
                 g["lr"] = lr
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
+            sync(run.rt.device)
             rec = _record(run, step, loss, plan, lr, grad_norm, time.perf_counter() - t0, time.process_time() - c0)
             run.result.history.append(rec)
             run.log.step(rec)

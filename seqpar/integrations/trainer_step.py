@@ -78,6 +78,13 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device (a no-op on CPU): a step's clock starts and stops on an idle GPU, or it
+    would time the kernel launches and the previous step's queued work instead of this step's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20

@@ -13,8 +13,9 @@
 - ``torch.cuda`` answering like a machine with one GPU per rank (:mod:`.fake_gpu`);
 - checks (:mod:`.fake_c10d`): every c10d op's tensors (no CPU tensor, none off the rank's GPU, no
   transfer to itself), streams, events and synchronisations only on CUDA paths, every read of a CUDA
-  value on the host counted, and across the ranks (:func:`~.fake_c10d.mismatches`) the collectives
-  and send/receive pairs NCCL would hang on or mis-deliver;
+  value on the host counted, no clock read of seqpar's that closes an interval with GPU work still
+  in flight (:func:`_checked_clock`), and across the ranks (:func:`~.fake_c10d.mismatches`) the
+  collectives and send/receive pairs NCCL would hang on or mis-deliver;
 - an autograd stand-in (:mod:`.fake_autograd`): autograd over fake CUDA tensors aborts the process.
 
 The torch internals this needs are imported by this package's ``fake_*`` modules only.
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import time
 from unittest import mock
 
 import torch
@@ -108,6 +111,7 @@ def nccl_rank(rank: int, world_size: int = WORLD, *, backend: str = "nccl", kern
             stack.enter_context(inline_threads())
             stack.enter_context(object_collectives(run, shared))
             stack.enter_context(batch_marker(run))
+            stack.enter_context(_checked_clock(run))
             if kernels == "reference":
                 stack.enter_context(_reference_kernels_only())
             stack.enter_context(modes())
@@ -141,6 +145,30 @@ def run_ranks(fn, world_size: int = WORLD, **kwargs) -> list[RankRun]:
     if problems:
         raise AssertionError(f"{len(problems)} mismatch(es) between ranks:\n  " + "\n  ".join(problems[:20]))
     return runs
+
+
+# seqpar code whose clock times host work only: the schedulers' solvers (their time limits and
+# solve times), which run between steps and never bracket GPU work
+HOST_CLOCKS = (f"{os.sep}seqpar{os.sep}schedulers{os.sep}",)
+
+
+@contextlib.contextmanager
+def _checked_clock(run: RankRun):
+    """``time.perf_counter``, the clock seqpar times steps, phases and benchmarks with: a read from
+    seqpar's code (but :data:`HOST_CLOCKS`) tells :meth:`RankRun.clock_read` (GPU work issued since
+    the last read and not waited for is a violation: on a GPU the interval would hold its launch,
+    not its run)."""
+    real = time.perf_counter
+
+    def perf_counter():
+        code = sys._getframe(1).f_code.co_filename
+        if f"{os.sep}seqpar{os.sep}" in code and f"{os.sep}tests{os.sep}" not in code \
+                and not any(h in code for h in HOST_CLOCKS):
+            run.clock_read("time.perf_counter", call_site())
+        return real()
+
+    with mock.patch.object(time, "perf_counter", perf_counter):
+        yield
 
 
 @contextlib.contextmanager
