@@ -216,10 +216,10 @@ def test_what_settles_the_device_for_the_clock_check():
         for settle in (lambda: torch.cuda.synchronize(), lambda: float(x.sum()), torch.distributed.barrier):
             torch.distributed.all_reduce(x)
             settle()
-            run.clock_read("time.perf_counter", "here")
+            fake_nccl.clock_read(run, "time.perf_counter", "here")
         assert not run.violations
         torch.distributed.all_reduce(x)
-        run.clock_read("time.perf_counter", "here")
+        fake_nccl.clock_read(run, "time.perf_counter", "here")
         assert [v.kind for v in run.violations] == ["host clock read with GPU work in flight"]
         assert "c10d.allreduce_ at tests/test_gpu_static_nccl.py" in run.violations[0].detail
         run.violations.clear()

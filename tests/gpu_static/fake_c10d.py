@@ -83,8 +83,7 @@ class RankRun:
     result: object = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     # the first asynchronous GPU work (a kernel, an NCCL op) issued since the host last knew the device
-    # idle (a synchronize, a host read, a barrier) or last read its clock: what a clock read would
-    # leave out of the interval it closes (:meth:`clock_read`)
+    # idle (a synchronize, a host read, a barrier) or last read its clock (fake_nccl.clock_read)
     in_flight: str | None = None
 
     def device_work(self, what: str) -> None:
@@ -92,15 +91,6 @@ class RankRun:
             self.in_flight = f"{what} at {call_site()}"
 
     def device_idle(self) -> None:
-        self.in_flight = None
-
-    def clock_read(self, clock: str, site: str) -> None:
-        """The host read ``clock`` at ``site``: a seqpar clock read that closes an interval in which
-        GPU work was issued and never waited for times the launches, not the work."""
-        if self.in_flight is not None and self.backend == "nccl":
-            self.flag("host clock read with GPU work in flight", clock, site,
-                      f"{self.in_flight} was issued since the last clock read and not waited for: synchronize the "
-                      "device (torch.cuda.synchronize) before reading the clock")
         self.in_flight = None
 
     def ops(self, phase: str | None = None) -> list[str]:

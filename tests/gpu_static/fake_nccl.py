@@ -152,10 +152,20 @@ def run_ranks(fn, world_size: int = WORLD, **kwargs) -> list[RankRun]:
 HOST_CLOCKS = (f"{os.sep}seqpar{os.sep}schedulers{os.sep}",)
 
 
+def clock_read(run: RankRun, clock: str, site: str) -> None:
+    """The host read ``clock`` at ``site``: a seqpar clock read that closes an interval in which GPU
+    work was issued and never waited for times the launches, not the work (a violation on NCCL)."""
+    if run.in_flight is not None and run.backend == "nccl":
+        run.flag("host clock read with GPU work in flight", clock, site,
+                 f"{run.in_flight} was issued since the last clock read and not waited for: synchronize the "
+                 "device (torch.cuda.synchronize) before reading the clock")
+    run.in_flight = None
+
+
 @contextlib.contextmanager
 def _checked_clock(run: RankRun):
     """``time.perf_counter``, the clock seqpar times steps, phases and benchmarks with: a read from
-    seqpar's code (but :data:`HOST_CLOCKS`) tells :meth:`RankRun.clock_read` (GPU work issued since
+    seqpar's code (but :data:`HOST_CLOCKS`) goes to :func:`clock_read` (GPU work issued since
     the last read and not waited for is a violation: on a GPU the interval would hold its launch,
     not its run)."""
     real = time.perf_counter
@@ -164,7 +174,7 @@ def _checked_clock(run: RankRun):
         code = sys._getframe(1).f_code.co_filename
         if f"{os.sep}seqpar{os.sep}" in code and f"{os.sep}tests{os.sep}" not in code \
                 and not any(h in code for h in HOST_CLOCKS):
-            run.clock_read("time.perf_counter", call_site())
+            clock_read(run, "time.perf_counter", call_site())
         return real()
 
     with mock.patch.object(time, "perf_counter", perf_counter):
