@@ -10,8 +10,11 @@ Two measurements, each repeated (``--repeats``, default 3) and reported as the m
 2. **Per-call latency** of the check alone at N = 2, 4, 8 (``--ns``), for the alternatives the design
    was chosen from (per call, on every rank):
 
-   - ``default``: the fields of a realistic call (every argument described), one 32-byte digest sent
-     point to point to every other member (what ``seqpar.attention`` does by default);
+   - ``default``: the fields of a realistic call (every argument described), hashed, and a 56-byte
+     state (any failure, smallest and largest digest) combined in ceil(log2 N) rounds of one message
+     each way (what ``seqpar.attention`` does by default);
+   - ``digest_to_all``: the previous default, the 32-byte digest sent point to point to every other
+     member and received from each (N - 1 messages each way in one round);
    - ``digest_allgather``: the same digest through gloo's all-gather (a collective: a dead or silent
      member cannot be named, and its size could pair with another rank's payload gather);
    - ``full_fingerprint``: the 8 KB JSON fingerprint all-gathered and decoded on every call (the
@@ -23,6 +26,10 @@ Two measurements, each repeated (``--repeats``, default 3) and reported as the m
 
    Each is reported as the mean per call and as the 10th percentile of the calls (those that found
    the cores free: on a shared machine the mean mostly measures the neighbours).
+3. **Host CPU per message** at N = 2: 1023 32-byte sends and as many receives posted at once between
+   the two ranks (the previous default's traffic per call at N = 1024), the process CPU time per
+   send/receive pair (gloo's threads included): what a check of N - 1 messages per call costs the
+   host at large N, against ceil(log2 N) messages for the default.
 
 Writes ``benchmarks/results/check_cost.{md,json}``. Run it on a quiet machine (check ``uptime``).
 
@@ -43,6 +50,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+LARGE_N = 1024  # the largest group seqpar simulate projects
 ESTIMATE_MS_PER_CALL = 1.0  # per call, 8 ranks of one node each with a core (not measurable here)
 NCCL_ESTIMATE = """## Estimate for NCCL, 8 GPUs, 32 layers (arithmetic, not measured here)
 
@@ -55,8 +63,8 @@ is named): the check runs on the CPU and never waits for the GPU.
   32K tokens on 8 GPUs: 32768 x (4.02e10 + 2.58e10) = 2.16e15 FLOPs / (8 x 610e12) = 0.44 s.
   128K tokens: 131072 x (4.02e10 + 1.03e11) = 1.88e16 FLOPs / (8 x 555e12) = 4.2 s.
 - Calls per step: 32 attention forwards, 64 with layers recomputed in backward.
-- Per call: {ms:g} ms (one round of 14 small messages + 16 us of host work; the contended
-  measurements above are 0.75 ms at N=2 and 6.5 ms at N=8 on 2 cores, 10th percentiles).
+- Per call: {ms:g} ms (3 rounds of one small message each way + 16 us of host work; see the
+  contended measurements above, 10th percentiles).
 - Host time per step: 64 x {ms:g} ms = {host:g} ms: 14.5% of the 0.44 s step, 1.5% of the 4.2 s step if
   the GPU waited for it; it does not while the host runs ahead (a layer's forward keeps the GPUs
   busy 4.6 ms at 32K tokens, 44 ms at 128K): expected device-visible cost ~0 (host-bound jobs only).
@@ -106,13 +114,18 @@ def _latencies(calls: int) -> dict:
 
     from seqpar.comm import all_gather_stack, exchange, group_info
     from seqpar.comm.agreement import _decode, _encode
-    from seqpar.comm.fingerprint import field_digest, quick_agreement
+    from seqpar.comm.fingerprint import QUICK_TAG, field_digest, gather_rows, quick_agreement
 
     info = group_info(None)
     args, call_fields = _realistic_fields()
 
     def default():
         quick_agreement([info], "seqpar.attention", call_fields(args), False)
+
+    def digest_to_all():
+        row = torch.tensor([0, *field_digest("seqpar.attention", call_fields(args))], dtype=torch.int64)
+        rows = gather_rows(info, row, tag=QUICK_TAG)
+        bool(rows[:, 0].any()) or not bool((rows[:, 1:] == rows[0, 1:]).all())
 
     def digest_allgather():
         row = torch.tensor([0, *field_digest("seqpar.attention", call_fields(args))], dtype=torch.int64)
@@ -133,7 +146,7 @@ def _latencies(calls: int) -> dict:
         field_digest("seqpar.attention", call_fields(args))
 
     out = {}
-    for name, fn in (("default", default), ("digest_allgather", digest_allgather),
+    for name, fn in (("default", default), ("digest_to_all", digest_to_all), ("digest_allgather", digest_allgather),
                      ("full_fingerprint", full_fingerprint), ("header_per_step", header_per_step),
                      ("fields_only", fields_only)):
         for _ in range(10):
@@ -148,6 +161,24 @@ def _latencies(calls: int) -> dict:
         out[name] = statistics.mean(each)
         out[name + "_p10"] = each[len(each) // 10]  # the calls that found the cores free
     return out
+
+
+def _message_cpu(messages: int, repeats: int = 7) -> float:
+    """Process CPU seconds per 32-byte send/receive pair with the other rank of 2, ``messages`` of
+    each posted at once (median of ``repeats``, the first two left out)."""
+    import torch.distributed as dist
+
+    peer, row, each = 1 - dist.get_rank(), torch.zeros(4, dtype=torch.int64), []
+    for _ in range(repeats):
+        bufs = [torch.empty_like(row) for _ in range(messages)]
+        dist.barrier()
+        c0 = time.process_time()
+        works = [dist.irecv(b, src=peer, tag=i) for i, b in enumerate(bufs)]
+        works += [dist.isend(row, dst=peer, tag=i) for i in range(messages)]
+        for w in works:
+            w.wait()
+        each.append((time.process_time() - c0) / messages)
+    return statistics.median(each[2:])
 
 
 def main(argv=None) -> int:
@@ -172,6 +203,7 @@ def main(argv=None) -> int:
             for key, times in steps.items():
                 times.append(statistics.median(r[key]))
         lat = {2: [pool.run(_latencies, (args.calls,), timeout=3600)[0] for _ in range(args.repeats)]}
+        pair_cpu = statistics.median(pool.run(_message_cpu, (LARGE_N - 1,), timeout=3600))
     finally:
         pool.close()
     for n in [int(x) for x in args.ns.split(",") if int(x) != 2]:
@@ -189,6 +221,7 @@ def main(argv=None) -> int:
         "step_s": {k: statistics.median(v) for k, v in steps.items()}, "step_s_repeats": steps,
         "latency_us": {n: {k: 1e6 * statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in lat.items()},
         "latency_note": "per key: median over repeats of the mean per call; *_p10: of the 10th percentile",
+        "message_pair_cpu_us": 1e6 * pair_cpu,
     }
     step = result["step_s"]["no_check"]
     result["overhead_of_step"] = result["latency_us"][2]["default"] * 1e-6 / step
@@ -223,16 +256,26 @@ def write(result: dict, out: Path) -> None:
         "",
         "Mean over the calls (in brackets: the 10th percentile, the calls that found the cores free).",
         "",
-        ("| N | default (32 B digest, point to point) | digest via gloo all-gather | full 8 KB fingerprint "
-         "all-gathered + decoded | 32 B header with both neighbours per ring step (2N steps) | host work alone "
-         "(fields + digest, no message) |"),
-        "|---|---|---|---|---|---|",
+        ("| N | default (56 B state, log2 N rounds) | 32 B digest to every member (the previous default) | "
+         "digest via gloo all-gather | full 8 KB fingerprint all-gathered + decoded | 32 B header with both "
+         "neighbours per ring step (2N steps) | host work alone (fields + digest, no message) |"),
+        "|---|---|---|---|---|---|---|",
     ]
     for n, r in sorted(lat.items()):
         lines.append("| " + " | ".join([str(n)] + [f"{r[k]:.0f} ({r[k + '_p10']:.0f})" for k in (
-            "default", "digest_allgather", "full_fingerprint", "header_per_step", "fields_only")]) + " |")
+            "default", "digest_to_all", "digest_allgather", "full_fingerprint", "header_per_step",
+            "fields_only")]) + " |")
     lines += ["", (f"N > {result['machine']['cpus']} ranks share {result['machine']['cpus']} cores: those rows are "
                    "upper bounds (each message waits for its receiver to be scheduled).")]
+    pair = result["message_pair_cpu_us"]
+    rounds = (LARGE_N - 1).bit_length()
+    lines += ["", f"## At N = {LARGE_N} (arithmetic from a measurement at N = 2)", "",
+              (f"Host CPU per 32-byte send/receive pair, {LARGE_N - 1} of each posted at once between 2 ranks "
+               f"(gloo's threads included): **{pair:.0f} us**. Per call and rank, sending the digest to every "
+               f"member took {LARGE_N - 1} pairs: {(LARGE_N - 1) * pair / 1e3:.0f} ms of host CPU, more than a "
+               f"layer's attention when each GPU holds a few thousand tokens (a host-bound job). The default's "
+               f"{rounds} rounds: {rounds} pairs, {rounds * pair / 1e3:.2f} ms of CPU, plus {rounds} round "
+               "trips of latency one after the other.")]
     lines += ["", NCCL_ESTIMATE.format(ms=ESTIMATE_MS_PER_CALL)]
     (out / "check_cost.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

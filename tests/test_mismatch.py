@@ -228,3 +228,29 @@ def test_the_check_travels_on_the_cpu_when_the_group_takes_cpu_tensors():
     nccl = GroupInfo(Group("cuda"), 0, 2, (0, 1))
     assert check_device(both, torch.device("cuda", 0)).type == "cpu"
     assert check_device(nccl, torch.device("cuda", 1)) == torch.device("cuda", 1)
+
+
+def _verdicts(odd_ones):
+    """quick_agreement on the world group for each (disagreeing rank, failing rank) case."""
+    import torch.distributed as dist
+
+    from seqpar.comm import group_info
+    from seqpar.comm.fingerprint import quick_agreement
+
+    me, info = dist.get_rank(), group_info(None)
+    return [quick_agreement([info], "e", {"x": str(me == odd)}, me == failing) for odd, failing in odd_ones]
+
+
+@pytest.mark.parametrize("n", [5, 8])
+def test_the_quick_agreement_reaches_every_rank_in_log_rounds(n):
+    """The dissemination rounds (1, 2, 4, ... ahead) combine every member's state on every member,
+    also for N not a power of two: one rank's different digest, or one rank's local failure, makes
+    every rank answer False; nothing different, every rank True. Each rank sends ceil(log2 N)
+    messages per call (not N - 1)."""
+    from seqpar.comm.fingerprint import agreement_offsets
+    from seqpar.testing import run_distributed
+
+    cases = [(-1, -1)] + [(r, -1) for r in range(n)] + [(-1, r) for r in range(n)]
+    res = run_distributed(_verdicts, n, cases, timeout=120)
+    assert all(v == [True] + [False] * (2 * n) for v in res), res
+    assert agreement_offsets(n) == [1, 2, 4] and agreement_offsets(2) == [1] and agreement_offsets(1) == []

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import seqpar
 from seqpar.bench.schedule_trace import Shape, rank_events, schedule_traces
 from seqpar.bench.trace_check import check_traces
+from seqpar.comm.fingerprint import STATE_WORDS
 from seqpar.testing import run_distributed
 
 T, HQ, HKV, D = 48, 4, 2, 8
@@ -70,8 +71,9 @@ def test_schedule_traces_equal_recorded_traces(method, n):
 
 @pytest.mark.parametrize("method", ["zigzag_ring", "lasp2"])
 def test_the_rank_agreement_is_traced_unless_it_is_off(method):
-    """The default check_ranks gathers a digest at the start of each forward: 2 (N - 1) messages on
-    the stream check_ranks and their wait, recorded like the payload's; off, the trace has none."""
+    """The default check_ranks combines a small state at the start of each forward: per round one
+    message to the member 1, 2, 4, ... ahead and one from as far behind, then their wait, on the
+    stream check_ranks, recorded like the payload's; off, the trace has none."""
     n = 3
     on = run_distributed(_recorded, n, method, n, timeout=120)
     off = run_distributed(_recorded, n, method, n, False, timeout=120)
@@ -79,10 +81,10 @@ def test_the_rank_agreement_is_traced_unless_it_is_off(method):
     shape = Shape(T, 1, HQ, HQ if linear else HKV, D, True, 4, 4, 4)
     for r in range(n):
         check = [e for e in on[r]["events"] if e.get("chan") == "check_ranks"]
-        assert [e["type"] for e in check] == ["send", "send", "recv", "recv"]
-        assert {e["dst"] for e in check if e["type"] == "send"} == {(r + 1) % n, (r + 2) % n}
-        assert all(e["bytes"] == 32 and e["phase"] == "fwd" for e in check)
-        assert on[r]["events"][0]["type"] == "begin" and on[r]["events"][5]["type"] == "wait"
+        assert [(e["type"], e.get("dst"), e.get("src")) for e in check] == \
+            [("send", (r + 1) % n, r), ("recv", r, (r - 1) % n), ("send", (r + 2) % n, r), ("recv", r, (r - 2) % n)]
+        assert all(e["bytes"] == 8 * STATE_WORDS == 56 and e["phase"] == "fwd" for e in check)
+        assert [e["type"] for e in on[r]["events"][:7]] == ["begin", "send", "recv", "wait", "send", "recv", "wait"]
         assert not [e for e in off[r]["events"] if e.get("chan") == "check_ranks"]
         built = list(rank_events(method, n, r, shape, agreement=False))
         assert [_strip(e) for e in built] == [_strip(e) for e in off[r]["events"]]

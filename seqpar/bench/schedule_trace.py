@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar.comm.fingerprint import DIGEST_WORDS, QUICK_TAG
+from seqpar.comm.fingerprint import QUICK_TAG, STATE_WORDS, agreement_offsets
 from seqpar.kernels.linear_chunk import CHUNK
 from seqpar.linear.plans import resolve_plan
 from seqpar.methods import method as declared
@@ -217,28 +217,25 @@ def linear_pass(em: _Emit, method: str, me: int, n: int, c: int, s: Shape, bwd: 
 
 
 def agreement_pass(em: _Emit, me: int, n: int):
-    """The rank agreement's digest gather at the start of a call's forward (seqpar.comm.agreement on
-    the CPU channel): this rank's row of ``DIGEST_WORDS`` int64 to every other member, one from each,
-    then one wait. One flat group of ranks 0..n-1, as these traces assume throughout; a group
-    without a CPU backend records one ``all_gather`` instead, and usp given a mesh or a pair of
-    groups gathers once per axis."""
-    if n <= 1:
-        return
-    size = 8 * DIGEST_WORDS
-    sent = [em("send", src=me, dst=(me + d) % n, bytes=size, chan="check_ranks", tag=QUICK_TAG, deps=[])
-            for d in range(1, n)]
-    got = [em("recv", src=(me - d) % n, dst=me, bytes=size, chan="check_ranks", tag=QUICK_TAG) for d in range(1, n)]
-    yield from sent + got
-    yield em("wait", ids=[e["id"] for e in sent + got])
+    """The rank agreement at the start of a call's forward (seqpar.comm.fingerprint.reduce_state on
+    the CPU channel): per round of ``agreement_offsets(n)``, this rank's state of ``STATE_WORDS``
+    int64 to the member that far ahead, one from the member that far behind, and their wait. One
+    flat group of ranks 0..n-1, as these traces assume throughout; a group without a CPU backend
+    records one ``all_gather`` instead, and usp given a mesh or a pair of groups reduces once per
+    axis."""
+    size = 8 * STATE_WORDS
+    for step in agreement_offsets(n):
+        sent = em("send", src=me, dst=(me + step) % n, bytes=size, chan="check_ranks", tag=QUICK_TAG, deps=[])
+        got = em("recv", src=(me - step) % n, dst=me, bytes=size, chan="check_ranks", tag=QUICK_TAG)
+        yield from (sent, got, em("wait", ids=[sent["id"], got["id"]]))
 
 
 def rank_events(method: str, n: int, rank: int, s: Shape, *, forward_only: bool = False,
                 ulysses_degree: int | None = None, agreement: bool = False):
     """Yield rank ``rank``'s events of one step (forward, then backward) of ``method`` on ``n`` ranks.
-    ``agreement``: the forward starts with the rank agreement's gather, as on a group with a CPU
-    backend (the default ``check_ranks``); off for GPU replays, where that gather runs on the host
-    ahead of the device (docs/reliability.md) and its messages, 2 (N - 1) per rank, would dominate
-    a replay of 1024 ranks without changing its step."""
+    ``agreement``: the forward starts with the rank agreement's messages, as on a group with a CPU
+    backend (the default ``check_ranks``); off for GPU replays, where they run on the host ahead of
+    the device (docs/reliability.md)."""
     em, spec = _Emit(), declared(method)
     c = s.seq_len // n
     for bwd in (False,) if forward_only else (False, True):

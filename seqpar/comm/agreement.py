@@ -8,16 +8,17 @@ garbage, NCCL hangs or reads the wrong bytes. So by default (``check_ranks=None`
 point first checks that the call agrees on every rank, before any other communication:
 
 - the call's fields (:func:`seqpar.comm.fingerprint.call_fields`: every argument) are hashed and
-  one exchange of 32 bytes per rank compares the digests and each rank's local validation verdict
-  (:func:`~seqpar.comm.fingerprint.quick_agreement`, on the CPU when the group takes CPU tensors);
+  ceil(log2 N) rounds of one 56-byte message each way compare the digests and each rank's local
+  validation verdict (:func:`~seqpar.comm.fingerprint.quick_agreement`, on the CPU when the group
+  takes CPU tensors);
 - only when that finds a difference, the full fingerprints are gathered to say who passed what:
   a ``ValueError`` raised on some ranks only is re-raised on those ranks and every other rank raises
   one naming them; then each field is compared with the group's first member's, and every rank
   raises the same ``ValueError``, e.g. ``rank 2 passed q of shape (1, 64, 8, 16) but rank 0 passed
   (1, 32, 8, 16)``.
 
-Cost: one exchange of 32 bytes per rank per call (two for usp on a 2-D mesh or a pair of groups);
-measured in docs/reliability.md.
+Cost: ceil(log2 N) messages of 56 bytes each way per rank and call (once per axis for usp on a 2-D
+mesh or a pair of groups); measured in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -126,12 +127,12 @@ def check_agreement(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict
 
 def agreed(infos: GroupInfo | list[GroupInfo], entry: str, fields: dict[str, object], prepare, *, device=None,
            trace=None):
-    """Run the local checks ``prepare()``, then check agreement: first the digest gather of
+    """Run the local checks ``prepare()``, then check agreement: first the digest rounds of
     :func:`~seqpar.comm.fingerprint.quick_agreement`, and only when it finds a difference (on every
     rank alike) :func:`check_agreement`, which says who passed what. A ``prepare`` error is held until
     after the gathers, so the other ranks raise naming this one instead of waiting. Returns what
     ``prepare`` returned when every rank agreed; raises on every rank otherwise. ``trace`` (a
-    :class:`seqpar.Trace`) records the digest gather, not the fingerprints' (which end in an error)."""
+    :class:`seqpar.Trace`) records the digest rounds, not the fingerprints' (which end in an error)."""
     error = result = None
     try:
         result = prepare()

@@ -8,11 +8,12 @@ are left out. A tensor is described by shape, dtype and device type; document of
 (``cu_seqlens``: a tensor, a list or a ``PackedLayout``) by their content; groups by their members;
 anything else by ``repr``.
 
-:func:`quick_agreement` then checks, with one all-gather of :data:`DIGEST_WORDS` int64 per rank,
-that every rank's fields hash to the same digest and that no rank's local validation failed. Only
-when that fails do the ranks gather their full fingerprints (:func:`seqpar.comm.agreement.
-check_agreement`) to say who passed what. Every rank sees the same gathered rows, so every rank
-takes the same branch: no rank can go on while another raises.
+:func:`quick_agreement` then checks that every rank's fields hash to the same digest and that no
+rank's local validation failed: the ranks combine a small state (any failure, the smallest and the
+largest digest) in ceil(log2 N) rounds of one message each way (:func:`reduce_state`). Only when
+that fails do the ranks gather their full fingerprints (:func:`seqpar.comm.agreement.
+check_agreement`) to say who passed what. Every rank ends with the same state, so every rank takes
+the same branch: no rank can go on while another raises.
 
 Where the gather travels (:func:`check_device`): on the CPU whenever the group's backend takes CPU
 tensors (gloo, or a group created with ``backend="cpu:gloo,cuda:nccl"``, which is also what
@@ -23,6 +24,7 @@ back waits for the device (measured cost in docs/reliability.md).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 
@@ -40,7 +42,9 @@ from .usp_groups import USPGroups
 LOCAL_ONLY = frozenset({"stats", "check_ranks", "trace"})
 #: arguments whose content shapes communication (document offsets): described by count, total and hash
 CONTENT_ARGUMENTS = frozenset({"cu_seqlens"})
-DIGEST_WORDS = 4  # [local error flag, 3 x 64 bits of the fields' blake2b digest]
+DIGEST_LEN = 3  # 64-bit words of the fields' blake2b digest
+#: the quick agreement's state: [some rank failed locally, smallest digest seen, largest digest seen]
+STATE_WORDS = 1 + 2 * DIGEST_LEN
 #: message tags of the two agreement gathers: an agreement message pairs only with its own kind
 #: (never with a payload of the ring, whose tags are small, nor digest with full fingerprint)
 QUICK_TAG, FULL_TAG = 0x5EC0, 0x5EC1
@@ -119,9 +123,9 @@ def call_fields(arguments: dict, derived: dict | None = None) -> dict[str, str]:
 
 
 def field_digest(entry: str, fields: dict[str, str]) -> list[int]:
-    """Three signed 64-bit words of the blake2b digest of ``entry`` and ``fields``."""
-    raw = hashlib.blake2b(json.dumps([entry, fields], sort_keys=True).encode(), digest_size=24).digest()
-    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 24, 8)]
+    """:data:`DIGEST_LEN` signed 64-bit words of the blake2b digest of ``entry`` and ``fields``."""
+    raw = hashlib.blake2b(json.dumps([entry, fields], sort_keys=True).encode(), digest_size=8 * DIGEST_LEN).digest()
+    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 8 * DIGEST_LEN, 8)]
 
 
 def takes_cpu(info: GroupInfo) -> bool:
@@ -144,7 +148,8 @@ def check_device(info: GroupInfo, device=None) -> torch.device:
 
 
 def gather_rows(info: GroupInfo, row: torch.Tensor, *, tag: int, device=None, trace=None) -> torch.Tensor:
-    """``[N, *row.shape]`` on the CPU: every member's ``row`` in group order.
+    """``[N, *row.shape]`` on the CPU: every member's ``row`` in group order (the full fingerprints,
+    gathered only once the quick agreement found a difference).
 
     On the CPU channel each member sends its row to every other member and receives theirs (2(N-1)
     small messages posted at once, one round): a dead or silent member is named exactly by the
@@ -166,21 +171,61 @@ def gather_rows(info: GroupInfo, row: torch.Tensor, *, tag: int, device=None, tr
     return torch.stack(rows)
 
 
+def agreement_offsets(n: int) -> list[int]:
+    """The quick agreement's rounds on ``n`` members: in round ``j`` a member sends its state to the
+    member ``2**j`` ahead and receives from the one ``2**j`` behind (ceil(log2 n) rounds)."""
+    out, step = [], 1
+    while step < n:
+        out.append(step)
+        step *= 2
+    return out
+
+
+def _combine(a: list[int], b: list[int]) -> list[int]:
+    """Two states in one: any failure, the smaller smallest digest, the larger largest digest."""
+    k = DIGEST_LEN
+    return [max(a[0], b[0]), *min(a[1:1 + k], b[1:1 + k]), *max(a[1 + k:], b[1 + k:])]
+
+
+def reduce_state(info: GroupInfo, state: list[int], *, tag: int, device=None, trace=None) -> list[int]:
+    """Every member's :data:`STATE_WORDS` state combined (:func:`_combine`: or, min, max, which do not
+    mind seeing a state twice); the same list on every member.
+
+    On the CPU channel a dissemination: in each round of :func:`agreement_offsets` one message of
+    :data:`STATE_WORDS` int64 to one member and one from another, so after ceil(log2 N) rounds every
+    member has heard, directly or through others, from every member. Per call and rank that is
+    ceil(log2 N) messages each way (10 at N = 1024) where sending the digest to every member took
+    N - 1 (measured here: about 58 us of host CPU per message pair, 60 ms per call at N = 1024).
+    Up to N = 4 the rounds still reach every member directly, so a dead or silent member is named
+    exactly by each survivor's own transfer; beyond, by its direct partners, and the others by the
+    partner that stopped. Messages carry ``tag``. On a group without CPU support (NCCL only): one
+    all-gather on ``device``, then the same combination."""
+    where = check_device(info, device)
+    if where.type != "cpu":
+        rows = all_gather_stack(info, torch.tensor(state, dtype=torch.int64, device=where), name="check_ranks",
+                                trace=trace).cpu().tolist()
+        return functools.reduce(_combine, rows)
+    for step in agreement_offsets(info.size):
+        mine, buf = torch.tensor(state, dtype=torch.int64), torch.empty(len(state), dtype=torch.int64)
+        got = exchange(info, [(mine, step, tag)], [(buf, -step, tag)], name="check_ranks", trace=trace).wait()
+        state = _combine(state, got[0].tolist())
+    return state
+
+
 def quick_agreement(infos: list[GroupInfo], entry: str, fields: dict[str, str], failed: bool,
                     *, device=None, trace=None) -> bool:
-    """One gather of a digest per group in ``infos``: True when every rank reported no local error
-    (``failed``) and the same digest. Each gather carries the verdict of the previous ones, so on a
-    grid of groups (usp's two axes) every rank ends with the same answer. ``trace`` records the
-    gathers (they are part of the call's communication)."""
-    bad = failed
+    """True when every rank of every group in ``infos`` reported no local error (``failed``) and the
+    same digest of its fields: one :func:`reduce_state` per group. Each group's reduction carries
+    the verdict of the previous ones, so on a grid of groups (usp's two axes) every rank ends with
+    the same answer. ``trace`` records the messages (they are part of the call's communication)."""
     words = field_digest(entry, fields)
+    bad = failed
     for info in infos:
-        row = torch.tensor([int(bad), *words], dtype=torch.int64)
-        rows = gather_rows(info, row, tag=QUICK_TAG, device=device, trace=trace)
-        bad = bool(rows[:, 0].any()) or not bool((rows[:, 1:] == rows[0, 1:]).all())
+        state = reduce_state(info, [int(bad), *words, *words], tag=QUICK_TAG, device=device, trace=trace)
+        bad = bool(state[0]) or state[1:1 + DIGEST_LEN] != state[1 + DIGEST_LEN:]
     return not bad
 
 
-__all__ = ["CONTENT_ARGUMENTS", "DIGEST_WORDS", "FULL_TAG", "GRAD_FIELD", "LOCAL_ONLY", "QUICK_TAG", "call_fields",
-           "check_device", "clip", "describe", "field_digest", "gather_rows", "offsets_fingerprint",
-           "quick_agreement", "takes_cpu"]
+__all__ = ["CONTENT_ARGUMENTS", "DIGEST_LEN", "FULL_TAG", "GRAD_FIELD", "LOCAL_ONLY", "QUICK_TAG", "STATE_WORDS",
+           "agreement_offsets", "call_fields", "check_device", "clip", "describe", "field_digest", "gather_rows",
+           "offsets_fingerprint", "quick_agreement", "reduce_state", "takes_cpu"]

@@ -103,8 +103,8 @@ def unshard(x_local: torch.Tensor, *, group=None, method: str = "zigzag_ring", d
 
     Inverse of :func:`shard`: ``unshard(shard(x)) == x`` exactly. ``x_local`` must have the same
     shape on every rank. This is a collective over ``group``. ``check_ranks`` (None = on, unless the
-    environment variable ``SEQPAR_CHECK_RANKS=0``, read at each call): first check with one exchange
-    of 32 bytes per rank that every rank passed the same arguments (shape, dtype, dim, method,
+    environment variable ``SEQPAR_CHECK_RANKS=0``, read at each call): first check with ceil(log2 N)
+    messages of 56 bytes each way per rank that every rank passed the same arguments (shape, dtype, dim, method,
     cu_seqlens, group members); every rank then raises a ValueError naming the disagreeing rank and
     argument instead of gathering mismatched buffers (which aborts a gloo process). ``False`` skips it.
     """

@@ -102,7 +102,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     (zero elsewhere), so summing it over the group (as for any replicated tensor) gives the full one.
     Computation is in float32 (float64 for float64 inputs); gradients come back in the inputs' dtypes.
 
-    ``check_ranks``: check first, with one exchange of 32 bytes per rank (on the CPU when the group
+    ``check_ranks``: check first, with ceil(log2 N) 56-byte messages per rank (on the CPU when the group
     takes CPU tensors), that every rank passed the same arguments (every argument but ``stats``:
     shapes, dtypes, method, scale, initial_state, output_final_state, cu_seqlens, group members;
     :mod:`seqpar.comm.agreement`); on a mismatch, or a ValueError on some ranks only (e.g. a positive

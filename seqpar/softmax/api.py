@@ -144,7 +144,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             a 2-D mesh, a ``(ulysses_group, ring_group)`` pair or ``make_usp_groups(...)`` fix
             it) and the ring-family method across the ring axis (default ``"zigzag_ring"``).
             Pass the same ``group``/``ulysses_degree``/``ring_method`` to ``seqpar.shard``.
-        check_ranks: check first, with one exchange of 32 bytes per rank (on the CPU when the
+        check_ranks: check first, with ceil(log2 N) 56-byte messages per rank (on the CPU when the
             group takes CPU tensors), that every rank of the group passed the same arguments: every
             argument but ``stats`` (shapes, dtypes, method, causal, cu_seqlens, group members, every
             option; :mod:`seqpar.comm.agreement`). On a mismatch, or a ValueError on some ranks only,
