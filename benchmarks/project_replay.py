@@ -116,7 +116,7 @@ def sensitivity(kernel_times: str | None = None) -> list[dict]:
             base = machine(profile)
             for bw in SENSITIVITY_BW:
                 for slow in SENSITIVITY_SLOWDOWN:
-                    km = replace(base.kernels, merge="ring-flash-attention", overlap_slowdown=slow)
+                    km = replace(base.kernels, merge="ring-flash-attention")  # the replay reads the Machine's slowdown
                     m = replace(base, intra_bw=bw or base.intra_bw, overlap_slowdown=slow,
                                 kernels=measured_kernels(path, km) if path else km)
                     for r in simulate(list(published), [8], Shape(8192 * 8, **LLAMA), m, forward_only=fwd_only):

@@ -208,20 +208,33 @@ def test_a_clock_read_with_gpu_work_in_flight_is_reported(monkeypatch):
 
 
 def test_what_settles_the_device_for_the_clock_check():
-    """What makes the device idle for the check: torch.cuda.synchronize, a host read of a CUDA value
-    (the host waits for its stream) and NCCL's barrier (it blocks the host). A clock read after any
-    of them is clean; after an all-reduce with none of them, it is reported."""
+    """What the clock check counts as GPU work and as its end: a kernel until a host read of a CUDA
+    value (or a blocking copy to the host) or a synchronize; an NCCL op until a device synchronize or
+    a barrier, or until Work.wait() has put it on the current stream and a host read waited for that.
+    A clock read (here called directly) with any of it open is reported."""
+    from gpu_static.fake_clock import clock_read
+
+    def reported(run, work, settle) -> bool:
+        work()
+        settle()
+        clock_read(run, "time.perf_counter", "here")
+        found = [v for v in run.violations if v.kind == "host clock read with GPU work in flight"]
+        run.violations.clear()
+        return bool(found)
+
     def drive(run):
         x = torch.ones(4, device="cuda")
-        for settle in (lambda: torch.cuda.synchronize(), lambda: float(x.sum()), torch.distributed.barrier):
-            torch.distributed.all_reduce(x)
-            settle()
-            fake_nccl.clock_read(run, "time.perf_counter", "here")
-        assert not run.violations
-        torch.distributed.all_reduce(x)
-        fake_nccl.clock_read(run, "time.perf_counter", "here")
-        assert [v.kind for v in run.violations] == ["host clock read with GPU work in flight"]
-        assert "c10d.allreduce_ at tests/test_gpu_static_nccl.py" in run.violations[0].detail
-        run.violations.clear()
+        kernel = lambda: x.mul_(2)  # noqa: E731
+        nccl = lambda: torch.distributed.all_reduce(x)  # noqa: E731  (blocking: waits on the stream)
+        unwaited = lambda: torch.distributed.all_reduce(x, async_op=True)  # noqa: E731
+        read = lambda: float(x.sum())  # noqa: E731
+        sync = lambda: torch.cuda.synchronize()  # noqa: E731
+        nothing = lambda: None  # noqa: E731
+        for work, settle in ((kernel, read), (kernel, lambda: x.cpu()), (kernel, sync), (nccl, read),
+                             (nccl, sync), (unwaited, sync), (unwaited, torch.distributed.barrier),
+                             (lambda: torch.empty(4, device="cuda").view(2, 2), nothing)):
+            assert not reported(run, work, settle)
+        for work, settle in ((kernel, nothing), (nccl, nothing), (unwaited, read), (read, kernel)):
+            assert reported(run, work, settle)
 
     run_ranks(drive)

@@ -272,25 +272,31 @@ def test_measured_block_times_replace_the_kernel_model(tmp_path, monkeypatch):
             mod.measured_kernels(str(f), H100.kernels)
 
 
-def test_ringflash_sensitivity_moves_only_with_its_two_inputs(monkeypatch):
+def test_ringflash_sensitivity_moves_only_with_its_two_inputs(tmp_path, monkeypatch):
     """project_replay.sensitivity: its point at the profile's own bandwidth and the default slowdown is
-    the committed comparison row (ring-flash-attention's epilogue); a slower send/recv link or a larger
-    overlap slowdown never raises a row's efficiency, and both lower zigzag_ring's forward+backward."""
+    the committed comparison row (ring-flash-attention's epilogue, model and measured kernels); a
+    slower send/recv link or a larger overlap slowdown never raises a row's efficiency, and each of
+    the two alone lowers zigzag_ring's forward+backward."""
     mod = _project_replay(monkeypatch)
-    rows = mod.sensitivity()
-    base = {(r["profile"], r["forward_only"], r["method"]): r["replayed_pct"] for r in mod.ringflash()
-            if r["epilogue"] == "ring-flash-attention" and r["kernels"] == "model"}
+    times = tmp_path / "t.json"  # one measured block: the H800 rows get a "measured" variant
+    times.write_text(json.dumps({"rows": [{"event": "block_bwd", "shape": [1, 8192, 4096, 32, 8, 128], "mask": "none",
+                                           "flash": {"median_ms": 5.0}}]}))
+    rows = mod.sensitivity(str(times))
+    base = {(r["profile"], r["kernels"], r["forward_only"], r["method"]): r["replayed_pct"]
+            for r in mod.ringflash(str(times)) if r["epilogue"] == "ring-flash-attention"}
+    assert {k[1] for k in base} == {"model", "measured"}
     own = {p: machine(p).intra_bw for p, _ in mod.PUBLISHED}
-    grid = {(r["profile"], r["forward_only"], r["method"], r["p2p_bw"], r["overlap_slowdown"]): r["replayed_pct"]
-            for r in rows}
+    grid = {(r["profile"], r["kernels"], r["forward_only"], r["method"], r["p2p_bw"], r["overlap_slowdown"]):
+            r["replayed_pct"] for r in rows}
     assert len(grid) == len(rows) == len(base) * len(mod.SENSITIVITY_BW) * len(mod.SENSITIVITY_SLOWDOWN)
-    for (p, fwd, meth), pct in base.items():
-        assert grid[(p, fwd, meth, own[p], 0.189)] == pytest.approx(pct)
+    for (p, kern, fwd, meth), pct in base.items():
+        key = (p, kern, fwd, meth)
+        assert grid[(*key, own[p], 0.189)] == pytest.approx(pct)
         bws = sorted({b or own[p] for b in mod.SENSITIVITY_BW}, reverse=True)
         for slow in mod.SENSITIVITY_SLOWDOWN:
-            pcts = [grid[(p, fwd, meth, b, slow)] for b in bws]
-            assert all(a >= b - 1e-9 for a, b in zip(pcts, pcts[1:])), (p, fwd, meth, slow, pcts)
+            pcts = [grid[(*key, b, slow)] for b in bws]
+            assert all(a >= b - 1e-9 for a, b in zip(pcts, pcts[1:])), (key, slow, pcts)
         for b in bws:
-            assert grid[(p, fwd, meth, b, 0.40)] <= grid[(p, fwd, meth, b, 0.189)] + 1e-9
-        if meth == "zigzag_ring" and not fwd:
-            assert grid[(p, fwd, meth, min(bws), 0.40)] < pct - 1.0
+            assert grid[(*key, b, 0.40)] <= grid[(*key, b, 0.189)] + 1e-9
+        if meth == "zigzag_ring" and not fwd:  # each input alone moves it
+            assert grid[(*key, own[p], 0.40)] < pct - 0.5 and grid[(*key, min(bws), 0.189)] < pct - 0.5

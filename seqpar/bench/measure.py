@@ -63,9 +63,10 @@ def _one_step(method: str, inputs: list, group) -> None:
 
 
 def _attention_seconds(method: str, s: int, shape: tuple[int, int, int], group, dev, reps: int,
-                       warmup: int = 1) -> float:
-    """Median seconds of one causal fwd+bwd of ``method`` on ``group`` (one rank) at length ``s``."""
-    inputs = _step_inputs(s, shape, dev)
+                       warmup: int = 1, inputs: list | None = None) -> float:
+    """Median seconds of one causal fwd+bwd of ``method`` on ``group`` (one rank) at length ``s``
+    (``inputs``: made by :func:`_step_inputs` already)."""
+    inputs = _step_inputs(s, shape, dev) if inputs is None else inputs
     times = []
     for i in range(reps + warmup):
         _sync(dev)
@@ -189,7 +190,7 @@ def phase_overlap(method, s, shape, message, reps) -> dict:
     tc, tp, tb = [], [], []
     for _ in range(reps):
         dist.barrier()
-        tc.append(_max_all(_attention_seconds(method, s, shape, solo, dev, 1)))
+        tc.append(_max_all(_attention_seconds(method, s, shape, solo, dev, 1, inputs=inputs)))
         dist.barrier()
         tp.append(_max_all(comm_alone()))
         dist.barrier()

@@ -132,4 +132,4 @@ def static_step(cfg: TrainConfig, rt: Runtime, data, model, params, batch: int, 
 
 
 __all__ = ["Runtime", "all_reduce_grads", "forward_backward", "lr_at", "maybe_crash", "peak_memory_mib", "static_step",
-           "token_loss"]
+           "sync", "token_loss"]

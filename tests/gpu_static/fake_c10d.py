@@ -22,12 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .fake_clock import DeviceClock
 from .fake_gpu import FakeCudaModule, is_fake
 
 _SCALAR_OPS = ("_local_scalar_dense", "equal", "is_nonzero", "allclose")
-# aten ops on CUDA tensors that launch no kernel (allocation, metadata); views are told by ``is_view``
-_NO_KERNEL = ("empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "sym_size", "sym_stride",
-              "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type", "set_")
 # floating-point results larger than this get no shadow: host reads need indices, counts, fingerprints
 # and scalars; replaying the attention arithmetic on the CPU too took 2.3 s of 4.2 (packed zigzag row)
 SHADOW_FLOATS = 64
@@ -82,16 +80,7 @@ class RankRun:
     cuda: FakeCudaModule | None = None
     result: object = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # the first asynchronous GPU work (a kernel, an NCCL op) issued since the host last knew the device
-    # idle (a synchronize, a host read, a barrier) or last read its clock (fake_nccl.clock_read)
-    in_flight: str | None = None
-
-    def device_work(self, what: str) -> None:
-        if self.in_flight is None:
-            self.in_flight = f"{what} at {call_site()}"
-
-    def device_idle(self) -> None:
-        self.in_flight = None
+    clock: DeviceClock = field(default_factory=DeviceClock)  # GPU work the host clock would miss
 
     def ops(self, phase: str | None = None) -> list[str]:
         return [op.name for op in self.comm if phase is None or op.phase == phase]
@@ -101,7 +90,7 @@ class RankRun:
         if x.device.type == "cuda":
             with self.lock:
                 self.host_reads.append((what, call_site(), self.phase))
-            self.device_idle()  # the host waited for the stream that made x
+            self.clock.stream_idle()  # the host waited for the stream that made x
 
     def flag(self, kind: str, op: str, site: str, detail: str) -> None:
         with self.lock:
@@ -158,14 +147,10 @@ class Recorder(TorchDispatchMode):
             return self._from_shadow(func, args, kwargs)
         if func.namespace == "c10d":
             self._fill_collective(func._opname, args)
-            if func._opname == "barrier":  # NCCL's barrier blocks the host until the device has caught up
-                self.run.device_idle()
-            else:
-                self.run.device_work(f"c10d.{func._opname}")
+            self.run.clock.c10d_op(func._opname, call_site())
         else:
             self._shadow(func, args, kwargs, out)
-            if not func.is_view and func._opname not in _NO_KERNEL and any(_is_cuda(x) for x in flat):
-                self.run.device_work(f"aten.{func._opname}")
+            self.run.clock.aten_op(func, args, kwargs, out, flat, call_site)
         return out
 
     def _fill_collective(self, name: str, args) -> None:

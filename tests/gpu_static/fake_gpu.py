@@ -79,7 +79,7 @@ class _Stream(torch.Stream):
         return event or torch.cuda.Event()
 
     def synchronize(self):
-        self.cuda.run.device_idle()
+        self.cuda.run.clock.device_idle()
 
     def query(self):
         return True
@@ -99,7 +99,7 @@ class _Event:
         pass
 
     def synchronize(self):
-        self.cuda.run.device_idle()
+        self.cuda.run.clock.device_idle()
 
     def query(self):
         return True
@@ -149,7 +149,7 @@ class FakeCudaModule:
 
     def synchronize(self, device=None) -> None:
         self.check_device("torch.cuda.synchronize", device)
-        self.run.device_idle()
+        self.run.clock.device_idle()
 
     def current_stream(self, device=None):
         self.check_device("torch.cuda.current_stream", device)

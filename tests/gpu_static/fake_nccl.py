@@ -14,7 +14,7 @@
 - checks (:mod:`.fake_c10d`): every c10d op's tensors (no CPU tensor, none off the rank's GPU, no
   transfer to itself), streams, events and synchronisations only on CUDA paths, every read of a CUDA
   value on the host counted, no clock read of seqpar's that closes an interval with GPU work still
-  in flight (:func:`_checked_clock`), and across the ranks (:func:`~.fake_c10d.mismatches`) the
+  in flight (:mod:`.fake_clock`), and across the ranks (:func:`~.fake_c10d.mismatches`) the
   collectives and send/receive pairs NCCL would hang on or mis-deliver;
 - an autograd stand-in (:mod:`.fake_autograd`): autograd over fake CUDA tensors aborts the process.
 
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-import time
 from unittest import mock
 
 import torch
@@ -37,6 +35,7 @@ from torch.testing._internal.distributed.fake_pg import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .fake_autograd import function_apply, inline_threads, tape_backward
+from .fake_clock import checked_clock
 from .fake_c10d import (
     CommOp,
     RankRun,
@@ -111,7 +110,7 @@ def nccl_rank(rank: int, world_size: int = WORLD, *, backend: str = "nccl", kern
             stack.enter_context(inline_threads())
             stack.enter_context(object_collectives(run, shared))
             stack.enter_context(batch_marker(run))
-            stack.enter_context(_checked_clock(run))
+            stack.enter_context(checked_clock(run, call_site))
             if kernels == "reference":
                 stack.enter_context(_reference_kernels_only())
             stack.enter_context(modes())
@@ -145,40 +144,6 @@ def run_ranks(fn, world_size: int = WORLD, **kwargs) -> list[RankRun]:
     if problems:
         raise AssertionError(f"{len(problems)} mismatch(es) between ranks:\n  " + "\n  ".join(problems[:20]))
     return runs
-
-
-# seqpar code whose clock times host work only: the schedulers' solvers (their time limits and
-# solve times), which run between steps and never bracket GPU work
-HOST_CLOCKS = (f"{os.sep}seqpar{os.sep}schedulers{os.sep}",)
-
-
-def clock_read(run: RankRun, clock: str, site: str) -> None:
-    """The host read ``clock`` at ``site``: a seqpar clock read that closes an interval in which GPU
-    work was issued and never waited for times the launches, not the work (a violation on NCCL)."""
-    if run.in_flight is not None and run.backend == "nccl":
-        run.flag("host clock read with GPU work in flight", clock, site,
-                 f"{run.in_flight} was issued since the last clock read and not waited for: synchronize the "
-                 "device (torch.cuda.synchronize) before reading the clock")
-    run.in_flight = None
-
-
-@contextlib.contextmanager
-def _checked_clock(run: RankRun):
-    """``time.perf_counter``, the clock seqpar times steps, phases and benchmarks with: a read from
-    seqpar's code (but :data:`HOST_CLOCKS`) goes to :func:`clock_read` (GPU work issued since
-    the last read and not waited for is a violation: on a GPU the interval would hold its launch,
-    not its run)."""
-    real = time.perf_counter
-
-    def perf_counter():
-        code = sys._getframe(1).f_code.co_filename
-        if f"{os.sep}seqpar{os.sep}" in code and f"{os.sep}tests{os.sep}" not in code \
-                and not any(h in code for h in HOST_CLOCKS):
-            clock_read(run, "time.perf_counter", call_site())
-        return real()
-
-    with mock.patch.object(time, "perf_counter", perf_counter):
-        yield
 
 
 @contextlib.contextmanager
