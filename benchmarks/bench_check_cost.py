@@ -230,6 +230,8 @@ def main(argv=None) -> int:
 
 
 def write(result: dict, out: Path) -> None:
+    from seqpar.comm.fingerprint import agreement_offsets
+
     out.mkdir(parents=True, exist_ok=True)
     (out / "check_cost.json").write_text(json.dumps(result, indent=2) + "\n")
     s, lat = result["step_s"], result["latency_us"]
@@ -268,7 +270,7 @@ def write(result: dict, out: Path) -> None:
     lines += ["", (f"N > {result['machine']['cpus']} ranks share {result['machine']['cpus']} cores: those rows are "
                    "upper bounds (each message waits for its receiver to be scheduled).")]
     pair = result["message_pair_cpu_us"]
-    rounds = (LARGE_N - 1).bit_length()
+    rounds = len(agreement_offsets(LARGE_N))
     lines += ["", f"## At N = {LARGE_N} (arithmetic from a measurement at N = 2)", "",
               (f"Host CPU per 32-byte send/receive pair, {LARGE_N - 1} of each posted at once between 2 ranks "
                f"(gloo's threads included): **{pair:.0f} us**. Per call and rank, sending the digest to every "

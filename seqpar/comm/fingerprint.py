@@ -195,7 +195,8 @@ def reduce_state(info: GroupInfo, state: list[int], *, tag: int, device=None, tr
     :data:`STATE_WORDS` int64 to one member and one from another, so after ceil(log2 N) rounds every
     member has heard, directly or through others, from every member. Per call and rank that is
     ceil(log2 N) messages each way (10 at N = 1024) where sending the digest to every member took
-    N - 1 (measured here: about 58 us of host CPU per message pair, 60 ms per call at N = 1024).
+    N - 1 (measured here: 40 us of host CPU per message pair, 40 ms per call at N = 1024;
+    benchmarks/results/check_cost.md).
     Up to N = 4 the rounds still reach every member directly, so a dead or silent member is named
     exactly by each survivor's own transfer; beyond, by its direct partners, and the others by the
     partner that stopped. Messages carry ``tag``. On a group without CPU support (NCCL only): one
