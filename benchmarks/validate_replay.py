@@ -13,7 +13,9 @@
     the efficiency moved from one set of rank processes to the next, likely with which of this VM's
     two cores each rank's kernels landed on); every N-rank step is followed by the one-rank step of
     the same method in rank 0's process (``run_case(paired=True)``), so that both
-    see the machine at the same speed; and the efficiency is taken from each segment's least
+    see the machine at the same speed; the repeats are taken in ``--rounds-b`` rounds over the
+    methods (``round_robin``: each method's repeats spread over the run's minutes, not one stretch of
+    them; benchmarks/results/b_spread.md); and the efficiency is taken from each segment's least
     disturbed time over the ``--repeats-b`` repeats (``--repeats-b-linear`` for the linear methods,
     whose memory-bound kernels vary more from one minute to the next) (``floor_traces``). The softmax
     methods run at ``--seq-len``; the linear methods are judged at the first of ``--linear-seq-lens-b`` (32768:
@@ -96,6 +98,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats-b-linear", type=int, default=16,
                    help="repeats of (b) for the linear methods (one length by default, so the run takes as long "
                         "as the two lengths of 8 repeats that the sixth validation ran)")
+    p.add_argument("--rounds-b", type=int, default=4,
+                   help="(b)'s repeats are taken in this many rounds over the methods (round_robin), so that every "
+                        "method's floor is over the same minutes of the run")
     p.add_argument("--warmup-b", type=int, default=3,
                    help="untimed steps before (b)'s repeats (until the allocator's heap stops growing)")
     p.add_argument("--seq-len", type=int, default=4096)
@@ -136,7 +141,7 @@ def main(argv=None) -> int:
                       f"(load {_load():.2f}; recorded)", file=sys.stderr)
             entry = {"run": run, "load_before": _load(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                      "repeats_b": args.repeats_b, "repeats_b_linear": args.repeats_b_linear,
-                     "warmup_b": args.warmup_b, "paired_b": True,
+                     "warmup_b": args.warmup_b, "rounds_b": args.rounds_b, "paired_b": True,
                      "one_core_b": True}
             entry["n2"] = validate(methods, 2, shape, m=m, ranks=ranks, repeats=args.repeats)
             for n in (int(x) for x in args.world_sizes_b.split(",")):
@@ -144,7 +149,8 @@ def main(argv=None) -> int:
                 for group, sh in _groups_b(methods, shape, args.linear_seq_lens_b):
                     reps = args.repeats_b_linear if group[0] in LINEAR_METHODS else args.repeats_b
                     entry[f"n{n}"] += validate(group, n, sh, m=m, ranks=ranks, repeats=reps,
-                                               warmup=args.warmup_b, ideal=True, exclusive=lock)
+                                               warmup=args.warmup_b, ideal=True, exclusive=lock,
+                                               rounds=args.rounds_b)
             entry["overhead"] = tracing_overhead(ranks, BenchCase("zigzag_ring", world_size=2, **shape))
             entry["load_after"] = _load()
             result["runs"].append(entry)
@@ -230,7 +236,8 @@ def markdown(result: dict, methods, sizes) -> str:
               + f"; per run {runs[0]['repeats_b']} repeats ({runs[0].get('repeats_b_linear', runs[0]['repeats_b'])} "
               "for the linear methods) "
               f"after {runs[0]['warmup_b']} untimed steps, each an N-rank step followed by the one-rank step in "
-              f"rank 0's process. The softmax methods at T = {sh['seq_len']}; the linear methods are judged at "
+              f"rank 0's process, taken in {runs[0].get('rounds_b', 1)} round(s) over the methods (`round_robin`). "
+              "The softmax methods at T = {sh['seq_len']}; the linear methods are judged at "
               f"T = {result['linear_seq_len_b']}, where every rank's inputs are larger than the 32 MB L3 cache at "
               "N <= 8, and shown at the other lengths too. "
               "`floor` (the target's estimator): the replayed one-rank step / N / the replayed step, both from each "

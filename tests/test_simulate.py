@@ -165,7 +165,7 @@ def test_every_method_traces_with_its_ranks_computing_one_at_a_time(tmp_path):
     lock = MachineLock(str(tmp_path / "compute.lock"))
     with LocalRanks() as ranks:
         rows = validate(METHODS + LINEAR_METHODS, 4, shape, m=cpu_machine(1e9, 1e-5), ranks=ranks, repeats=2,
-                        warmup=0, ideal=True, exclusive=lock)
+                        warmup=0, ideal=True, exclusive=lock, rounds=2)
         _, traces, one = run_case(ranks, BenchCase("allgather_kv", world_size=4, **shape), 1, 0, lock, paired=True)
     for r in rows:
         assert r["exclusive"] and "error" not in r  # its wall clock says nothing: no error is claimed
@@ -179,6 +179,29 @@ def test_every_method_traces_with_its_ranks_computing_one_at_a_time(tmp_path):
     # every rank's kernels and the one-rank step's ran on the same single core (one_core)
     cpus = {tuple(t["meta"]["cpus"]) for t in traces[0] + one[0]}
     assert len(cpus) == 1 and len(next(iter(cpus))) == 1, cpus
+
+
+def test_the_repeats_of_b_are_taken_round_robin_over_the_methods(tmp_path):
+    """(b)'s ``rounds``: each method's repeats spread over the whole call (method after method, round
+    after round), every repeat kept in order with its one-rank step; a round count that does not
+    divide the repeats is refused before anything runs."""
+    from seqpar.bench.replay_validate import MachineLock, round_robin
+    from seqpar.comm.pool import LocalRanks
+
+    shape = {"seq_len": 32, "heads": 2, "kv_heads": 2, "head_dim": 8}
+    lock = MachineLock(str(tmp_path / "compute.lock"))
+    with LocalRanks() as ranks:
+        got = round_robin(ranks, ["ring", "zeco"], 2, shape, repeats=4, warmup=0, exclusive=lock, paired=True,
+                          rounds=2)
+        with pytest.raises(ValueError, match="rounds: must divide repeats"):
+            round_robin(ranks, ["ring"], 2, shape, repeats=3, warmup=0, exclusive=lock, paired=True, rounds=2)
+    starts = {m: [tr[0]["wall_origin_ns"] for tr in got[m][1]] for m in got}
+    assert all(len(got[m][i]) == 4 for m in got for i in range(3))  # steps, traces, one-rank traces
+    assert all(a < b for m in starts for a, b in itertools.pairwise(starts[m]))
+    # ring's rounds 1, 2 and zeco's: ring 0-1 < zeco 0-1 < ring 2-3 < zeco 2-3
+    order = sorted((t, m, i) for m in starts for i, t in enumerate(starts[m]))
+    assert [(m, i) for _, m, i in order] == [("ring", 0), ("ring", 1), ("zeco", 0), ("zeco", 1),
+                                             ("ring", 2), ("ring", 3), ("zeco", 2), ("zeco", 3)]
 
 
 def test_one_core_pins_the_thread_and_restores_it():

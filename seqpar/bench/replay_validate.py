@@ -338,7 +338,8 @@ def _kernel_class(ev: dict) -> tuple:
 
 
 def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalRanks, repeats: int = 3,
-             warmup: int = 1, ideal: bool = False, exclusive: MachineLock | None = None) -> list[dict]:
+             warmup: int = 1, ideal: bool = False, exclusive: MachineLock | None = None,
+             rounds: int = 1) -> list[dict]:
     """One row per method: measured and replayed step (medians over repeats), their error,
     ``efficiency_own`` (the ranks' mean traced busy time over the replayed step: the schedule's
     imbalance, exposed communication and waiting, measured against the same run's own work), and
@@ -351,11 +352,11 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
     With ``exclusive`` (a :class:`MachineLock`) the ranks compute one at a time, all on one core
     (:func:`one_core`), so each traced kernel time is that kernel's alone on that core however many
     ranks share the cores; the measured wall clock then says nothing about the method and the row
-    has no ``error``."""
+    has no ``error``. ``rounds`` > 1 takes the repeats in that many rounds over ``methods``
+    (:func:`round_robin`)."""
     rows = []
-    for meth in methods:
-        case = BenchCase(meth, world_size=world_size, **shape)
-        measured, traces, one = run_case(ranks, case, repeats, warmup, exclusive, paired=ideal)
+    for meth, (measured, traces, one) in round_robin(ranks, methods, world_size, shape, repeats, warmup,
+                                                     exclusive, ideal, rounds).items():
         results = [replay(tr, m, expect={"method": meth, "world_size": world_size}) for tr in traces]
         replayed = [r.step_s for r in results]
         # the same run's traced work, perfectly divided: mean busy (compute + host) time over the step
@@ -369,6 +370,28 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
             row.update(_against_one_rank(traces, one, row["replayed_s"], m))
         rows.append(row)
     return rows
+
+
+def round_robin(ranks: LocalRanks, methods, world_size: int, shape: dict, repeats: int, warmup: int,
+                exclusive, paired: bool, rounds: int = 1) -> dict:
+    """method -> :func:`run_case`'s (measured, traces, one-rank traces), its ``repeats`` taken
+    ``repeats // rounds`` at a time, method after method, round after round: each method's repeats
+    spread over the whole call instead of one stretch of it, so that the least disturbed time of a
+    segment (:func:`floor_traces`) is the least over the same minutes for every method and is not
+    decided by the machine's state in one stretch (bench_b_spread.md: this VM's kernels of different
+    sizes slow down unequally from one minute to the next). Only the first round starts with
+    ``warmup`` untimed steps: a later round's first repeat may be slower, which a floor ignores."""
+    if rounds < 1 or repeats % rounds:
+        raise ValueError(f"rounds: must divide repeats ({repeats}) and be >= 1, got {rounds}; "
+                         f"pass a repeat count that is a multiple of the rounds")
+    out = {meth: ([], [], []) for meth in methods}
+    for r in range(rounds):
+        for meth in methods:
+            got = run_case(ranks, BenchCase(meth, world_size=world_size, **shape), repeats // rounds,
+                           warmup if r == 0 else 0, exclusive, paired=paired)
+            for acc, new in zip(out[meth], got):
+                acc.extend(new)
+    return out
 
 
 def _against_one_rank(traces, one, replayed_s, m) -> dict:
