@@ -2,9 +2,11 @@
 
 Validation (b) (``validate_replay.py``) replays each method at N = 8 on this machine's cores and asks
 that its efficiency (replayed one-rank step / N / replayed N-rank step) move by at most 3% across 3
-runs. This script runs the same cases as (b) (``_case_on_rank``: the ranks compute one at a time on
-one core; every N-rank step is followed by the one-rank step in rank 0's process) and keeps every
-repeat's traces, so that the estimators can be compared on the same data afterwards:
+runs. This script runs the same cases as (b) did up to its eighth validation (``_case_on_rank``: the
+ranks compute one at a time on one core; every N-rank step is followed by the one-rank step in rank
+0's process; a case's repeats one after the other, where (b) now takes them in rounds over the
+methods, ``round_robin``) and keeps every repeat's traces, so that the estimators can be compared on
+the same data afterwards:
 
     python benchmarks/bench_b_spread.py collect --runs 3 --methods ring,allgather_kv --agreement on,off \
         --out /tmp/spread
@@ -166,7 +168,9 @@ def analyze(args) -> int:
                      "spread": {k: _spread(est[k]) for k in ESTIMATORS}})
         print(method, rows[-1]["agreement"], " ".join(f"{k} {v:.1%}" for k, v in rows[-1]["spread"].items()),
               flush=True)
-    result = {"collect": meta, "link": str(link), "estimators": ESTIMATORS, "rows": rows}
+    v = json.loads(link.read_text())
+    result = {"collect": meta, "link": str(link), "link_values": {"link": v["link"], "collectives": v["collectives"]},
+              "estimators": ESTIMATORS, "rows": rows}
     Path(args.out + ".json").write_text(json.dumps(result, indent=1))
     Path(args.out + ".md").write_text(markdown(result))
     return 0
@@ -178,7 +182,7 @@ def markdown(result: dict) -> str:
             f"{meta['machine']['cpus']} cores, {meta['machine']['platform']}, torch {meta['versions']['torch']}, "
             f"seqpar {meta['versions']['seqpar']}. Shape {meta['shape']}, N = {meta['world_size']}, "
             f"{meta['repeats']} repeats after {meta['warmup']} untimed steps per case, as in (b). "
-            f"Replayed on the link of `{Path(result['link']).name}`.")
+            f"Replayed on the link of {result['link']}.")
     lines = ["# Where the spread of validation (b) comes from", "", head, "", "Estimators:", ""]
     lines += [f"- `{k}`: {v}" for k, v in result["estimators"].items()]
     lines += ["", "Efficiency per run, then its spread = (max - min) / mean (target of (b): 3%).", "",

@@ -237,7 +237,7 @@ def markdown(result: dict, methods, sizes) -> str:
               "for the linear methods) "
               f"after {runs[0]['warmup_b']} untimed steps, each an N-rank step followed by the one-rank step in "
               f"rank 0's process, taken in {runs[0].get('rounds_b', 1)} round(s) over the methods (`round_robin`). "
-              "The softmax methods at T = {sh['seq_len']}; the linear methods are judged at "
+              f"The softmax methods at T = {sh['seq_len']}; the linear methods are judged at "
               f"T = {result['linear_seq_len_b']}, where every rank's inputs are larger than the 32 MB L3 cache at "
               "N <= 8, and shown at the other lengths too. "
               "`floor` (the target's estimator): the replayed one-rank step / N / the replayed step, both from each "
