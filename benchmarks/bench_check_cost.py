@@ -68,7 +68,7 @@ is named): the check runs on the CPU and never waits for the GPU.
 - Host time per step: 64 x {ms:g} ms = {host:g} ms: 14.5% of the 0.44 s step, 1.5% of the 4.2 s step if
   the GPU waited for it; it does not while the host runs ahead (a layer's forward keeps the GPUs
   busy 4.6 ms at 32K tokens, 44 ms at 128K): expected device-visible cost ~0 (host-bound jobs only).
-- backend="nccl" alone: the digest goes through an NCCL all-gather and reading it back waits for the
+- backend="nccl" alone: the digest goes through an NCCL all-reduce and reading it back waits for the
   device; the GPU then idles ~0.2 ms per call until the host launches the next kernels:
   64 x 0.2 ms = 13 ms, 3% of 0.44 s, 0.3% of 4.2 s, not hidden.
 """.replace("{host:g}", "64")

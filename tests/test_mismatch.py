@@ -254,3 +254,40 @@ def test_the_quick_agreement_reaches_every_rank_in_log_rounds(n):
     res = run_distributed(_verdicts, n, cases, timeout=120)
     assert all(v == [True] + [False] * (2 * n) for v in res), res
     assert agreement_offsets(n) == [1, 2, 4] and agreement_offsets(2) == [1] and agreement_offsets(1) == []
+
+
+def _device_states(digests, failing):
+    import torch
+    import torch.distributed as dist
+
+    from seqpar.comm.fingerprint import _reduce_on_device, reduce_state
+    from seqpar.comm.groups import group_info
+
+    me, info = dist.get_rank(), group_info(None)
+    words = digests[me]
+    state = [int(me == failing), *words, *words]
+    # the NCCL-only path, run on gloo's CPU all-reduce (the same collective, real values)
+    return _reduce_on_device(info, state, torch.device("cpu"), None), reduce_state(info, state, tag=77)
+
+
+def test_the_device_path_of_the_agreement_reduces_like_the_cpu_path():
+    """A group with NCCL only combines the states in one all-reduce (max over [failed, words,
+    ~words]) instead of an all-gather: every rank gets any failure and each word's smallest and
+    largest value, extreme int64 words included (the complement does not overflow), so its verdict
+    (the two halves equal) is the CPU dissemination's for every case."""
+    from seqpar.comm.fingerprint import DIGEST_LEN
+    from seqpar.testing import run_distributed
+
+    n, lo, hi = 5, -(1 << 63), (1 << 63) - 1
+    same = [[lo, -1, 0, hi][:DIGEST_LEN]] * n
+    one_word = [list(d) for d in same]
+    one_word[3][2] += 1
+    extremes = [[hi, lo, 7, -7][:DIGEST_LEN], [lo, hi, 7, -7][:DIGEST_LEN]] + [[0, 0, 7, -7][:DIGEST_LEN]] * (n - 2)
+    for digests, failing in ((same, -1), (same, 2), (one_word, -1), (extremes, -1)):
+        res = run_distributed(_device_states, n, digests, failing, timeout=120)
+        want = [int(failing >= 0), *map(min, zip(*digests)), *map(max, zip(*digests))]
+        for device, cpu in res:
+            assert device == want, (device, want)
+            k = DIGEST_LEN
+            assert (device[0] or device[1:1 + k] != device[1 + k:]) == (cpu[0] or cpu[1:1 + k] != cpu[1 + k:])
+        assert res[0][1][0] == int(failing >= 0) and (res[0][1][1:1 + k] == res[0][1][1 + k:]) == (digests is same)

@@ -24,7 +24,6 @@ back waits for the device (measured cost in docs/reliability.md).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .channels import TokenRingGroups
-from .collectives import all_gather_stack
+from .collectives import all_gather_stack, all_reduce_
 from .groups import GroupInfo, _is_device_mesh, group_info
 from .p2p import exchange
 from .usp_groups import USPGroups
@@ -199,18 +198,31 @@ def reduce_state(info: GroupInfo, state: list[int], *, tag: int, device=None, tr
     benchmarks/results/check_cost.md).
     Up to N = 4 the rounds still reach every member directly, so a dead or silent member is named
     exactly by each survivor's own transfer; beyond, by its direct partners, and the others by the
-    partner that stopped. Messages carry ``tag``. On a group without CPU support (NCCL only): one
-    all-gather on ``device``, then the same combination."""
+    partner that stopped. Messages carry ``tag``. On a group without CPU support (NCCL only):
+    :func:`_reduce_on_device`."""
     where = check_device(info, device)
     if where.type != "cpu":
-        rows = all_gather_stack(info, torch.tensor(state, dtype=torch.int64, device=where), name="check_ranks",
-                                trace=trace).cpu().tolist()
-        return functools.reduce(_combine, rows)
+        return _reduce_on_device(info, state, where, trace)
     for step in agreement_offsets(info.size):
         mine, buf = torch.tensor(state, dtype=torch.int64), torch.empty(len(state), dtype=torch.int64)
         got = exchange(info, [(mine, step, tag)], [(buf, -step, tag)], name="check_ranks", trace=trace).wait()
         state = _combine(state, got[0].tolist())
     return state
+
+
+def _reduce_on_device(info: GroupInfo, state: list[int], device, trace) -> list[int]:
+    """:func:`reduce_state` on a device group: one all-reduce (max) of ``[failed, largest words,
+    complement of the smallest words]`` (``~w`` reverses the order of int64 without overflow), where
+    an all-gather of the states would take N - 1 ring steps (NCCL picks a tree or NVLS for a small
+    all-reduce: O(log N) steps). The digests come back as the smallest and largest of each word, not
+    of whole digests as on the CPU channel: the two halves are equal exactly when every member sent
+    the same digest, which is all :func:`quick_agreement` asks."""
+    k = DIGEST_LEN
+    words = [state[0], *state[1 + k:], *(~w for w in state[1:1 + k])]
+    x = all_reduce_(info, torch.tensor(words, dtype=torch.int64, device=device), op=dist.ReduceOp.MAX,
+                    name="check_ranks", trace=trace)
+    got = x.cpu().tolist()
+    return [got[0], *(~w for w in got[1 + k:]), *got[1:1 + k]]
 
 
 def quick_agreement(infos: list[GroupInfo], entry: str, fields: dict[str, str], failed: bool,
