@@ -100,7 +100,7 @@ def collect(args) -> int:
                     meta["cases"].append({"run": run, "method": method, "agree": agree,
                                           "time": time.strftime("%Y-%m-%d %H:%M:%S"), "load": os.getloadavg()[0]})
                     print(json.dumps(meta["cases"][-1]), flush=True)
-    (out / "collect.json").write_text(json.dumps(meta, indent=1))
+                    (out / "collect.json").write_text(json.dumps(meta, indent=1))  # analyzable if cut short
     return 0
 
 
@@ -110,12 +110,13 @@ def _quantile(p: float):
 
 # name -> what it replays (every one is computed by _estimates)
 ESTIMATORS = {
-    "floor": "each segment's least time over the 12 repeats (the target's estimator)",
-    "floor_first_half": "the same over the first 6 repeats",
-    "floor_second_half": "the same over the last 6 repeats",
+    "floor": "each segment's least time over the repeats (the target's estimator)",
+    "floor_first_half": "the same over the first half of the repeats",
+    "floor_second_half": "the same over the second half",
     "q25": "each segment's 25th percentile over the repeats",
     "class": "one median time per kernel class (kernel_class_traces)",
-    "free_link": "floor, on a link 10^6 times faster: the spread of the traced compute alone",
+    "free_link": "floor, on a link 10^6 times faster: the spread of the traced compute alone (a transfer "
+                 "still takes its CPU share while it flows, for next to no time)",
     "link_with_speed": "floor, every link slowed by the run's one-rank step over the mean of the runs'",
 }
 

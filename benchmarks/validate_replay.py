@@ -114,6 +114,9 @@ def main(argv=None) -> int:
     p.add_argument("--wait", type=float, default=1800, help="seconds to wait for an idle machine before runs 2, 3")
     p.add_argument("--out", default="benchmarks/results/replay_validation.json")
     args = p.parse_args(argv)
+    for flag, reps in (("--repeats-b", args.repeats_b), ("--repeats-b-linear", args.repeats_b_linear)):
+        if args.rounds_b < 1 or reps % args.rounds_b:  # before the calibration and (a), not minutes later
+            p.error(f"--rounds-b {args.rounds_b} must be >= 1 and divide {flag} {reps}")
     if _load() > args.max_load:
         print(f"load average {_load():.2f} > --max-load {args.max_load}: the machine is not idle; wait, or pass a "
               f"higher --max-load knowingly", file=sys.stderr)

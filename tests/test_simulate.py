@@ -195,9 +195,17 @@ def test_the_repeats_of_b_are_taken_round_robin_over_the_methods(tmp_path):
                           rounds=2)
         with pytest.raises(ValueError, match="rounds: must divide repeats"):
             round_robin(ranks, ["ring"], 2, shape, repeats=3, warmup=0, exclusive=lock, paired=True, rounds=2)
+        with pytest.raises(ValueError, match="methods: .* names a method twice"):
+            round_robin(ranks, ["ring", "ring"], 2, shape, repeats=2, warmup=0, exclusive=lock, paired=True,
+                        rounds=2)
     starts = {m: [tr[0]["wall_origin_ns"] for tr in got[m][1]] for m in got}
     assert all(len(got[m][i]) == 4 for m in got for i in range(3))  # steps, traces, one-rank traces
     assert all(a < b for m in starts for a, b in itertools.pairwise(starts[m]))
+    # each one-rank step follows its own N-rank repeat, before the method's next repeat
+    for m in got:
+        ones = [tr[0]["wall_origin_ns"] for tr in got[m][2]]
+        assert all(s < o for s, o in zip(starts[m], ones)), m
+        assert all(o < s for o, s in zip(ones, starts[m][1:])), m
     # ring's rounds 1, 2 and zeco's: ring 0-1 < zeco 0-1 < ring 2-3 < zeco 2-3
     order = sorted((t, m, i) for m in starts for i, t in enumerate(starts[m]))
     assert [(m, i) for _, m, i in order] == [("ring", 0), ("ring", 1), ("zeco", 0), ("zeco", 1),

@@ -380,10 +380,14 @@ def round_robin(ranks: LocalRanks, methods, world_size: int, shape: dict, repeat
     segment (:func:`floor_traces`) is the least over the same minutes for every method and is not
     decided by the machine's state in one stretch (bench_b_spread.md: this VM's kernels of different
     sizes slow down unequally from one minute to the next). Only the first round starts with
-    ``warmup`` untimed steps: a later round's first repeat may be slower, which a floor ignores."""
+    ``warmup`` untimed steps: a later round's first repeat (fresh inputs and groups) may be slower,
+    which the floor ignores but the medians of :func:`validate` (``measured_s``, ``replayed_s``,
+    ``efficiency``, ``efficiency_own``, ``efficiency_class``) include."""
     if rounds < 1 or repeats % rounds:
         raise ValueError(f"rounds: must divide repeats ({repeats}) and be >= 1, got {rounds}; "
                          f"pass a repeat count that is a multiple of the rounds")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"methods: {list(methods)} names a method twice; name each once")
     out = {meth: ([], [], []) for meth in methods}
     for r in range(rounds):
         for meth in methods:

@@ -10,7 +10,8 @@ anything else by ``repr``.
 
 :func:`quick_agreement` then checks that every rank's fields hash to the same digest and that no
 rank's local validation failed: the ranks combine a small state (any failure, the smallest and the
-largest digest) in ceil(log2 N) rounds of one message each way (:func:`reduce_state`). Only when
+largest digest) in ceil(log2 N) rounds of one message each way, or one all-reduce on an NCCL-only
+group (:func:`reduce_state`). Only when
 that fails do the ranks gather their full fingerprints (:func:`seqpar.comm.agreement.
 check_agreement`) to say who passed what. Every rank ends with the same state, so every rank takes
 the same branch: no rank can go on while another raises.
@@ -188,7 +189,10 @@ def _combine(a: list[int], b: list[int]) -> list[int]:
 
 def reduce_state(info: GroupInfo, state: list[int], *, tag: int, device=None, trace=None) -> list[int]:
     """Every member's :data:`STATE_WORDS` state combined (:func:`_combine`: or, min, max, which do not
-    mind seeing a state twice); the same list on every member.
+    mind seeing a state twice); the same list on every member. On the CPU channel the digests are
+    the smallest and largest whole digests; on a device group (:func:`_reduce_on_device`) each word's
+    smallest and largest value. Either way the two halves are equal exactly when every member sent
+    the same digest.
 
     On the CPU channel a dissemination: in each round of :func:`agreement_offsets` one message of
     :data:`STATE_WORDS` int64 to one member and one from another, so after ceil(log2 N) rounds every
@@ -213,8 +217,8 @@ def reduce_state(info: GroupInfo, state: list[int], *, tag: int, device=None, tr
 def _reduce_on_device(info: GroupInfo, state: list[int], device, trace) -> list[int]:
     """:func:`reduce_state` on a device group: one all-reduce (max) of ``[failed, largest words,
     complement of the smallest words]`` (``~w`` reverses the order of int64 without overflow), where
-    an all-gather of the states would take N - 1 ring steps (NCCL picks a tree or NVLS for a small
-    all-reduce: O(log N) steps). The digests come back as the smallest and largest of each word, not
+    an all-gather of the states would take N - 1 ring steps (NCCL runs a small all-reduce as a tree
+    across nodes, O(log nodes) steps, or NVLS within a node). The digests come back as the smallest and largest of each word, not
     of whole digests as on the CPU channel: the two halves are equal exactly when every member sent
     the same digest, which is all :func:`quick_agreement` asks."""
     k = DIGEST_LEN

@@ -76,7 +76,7 @@ def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int 
             Every document is split in the method's layout and padded inside the library; the
             result is this rank's padded local stream (padding rows zero), the same length on
             every rank. Validated (ValueError) before anything else.
-        check_ranks: True = first check with one small all-gather that every rank passed the same
+        check_ranks: True = first check with ceil(log2 N) small messages that every rank passed the same
             shape, dtype, dim, method and cu_seqlens (:mod:`seqpar.comm.agreement`); every rank then
             raises the same ValueError naming the disagreeing rank. Off unless asked for here: the
             environment variable ``SEQPAR_CHECK_RANKS`` does not apply to ``shard``, which is
