@@ -2,7 +2,7 @@
 
 Validation (b) (``validate_replay.py``) replays each method at N = 8 on this machine's cores and asks
 that its efficiency (replayed one-rank step / N / replayed N-rank step) move by at most 3% across 3
-runs. This script runs the same cases as (b) did up to its eighth validation (``_case_on_rank``: the
+runs. This script runs the same cases as (b) did up to its eighth validation (``run_case``: the
 ranks compute one at a time on one core; every N-rank step is followed by the one-rank step in rank
 0's process; a case's repeats one after the other, where (b) now takes them in rounds over the
 methods, ``round_robin``) and keeps every repeat's traces, so that the estimators can be compared on
@@ -40,24 +40,23 @@ from seqpar.bench.replay import replay
 from seqpar.bench.replay_validate import (
     STEADY_MALLOC,
     MachineLock,
-    _case_on_rank,
     cpu_machine,
     floor_traces,
     kernel_class_traces,
+    run_case,
 )
 from seqpar.comm.pool import LocalRanks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def case_on_rank(agree: bool, *args):
-    """:func:`_case_on_rank` with the rank agreement on (the default) or off (``SEQPAR_CHECK_RANKS=0``,
-    read by every call)."""
+def set_agreement(agree: bool) -> None:
+    """On each rank process: the rank agreement on (the default) or off (``SEQPAR_CHECK_RANKS=0``,
+    read by every call) for the cases that follow."""
     if agree:
         os.environ.pop("SEQPAR_CHECK_RANKS", None)
     else:
         os.environ["SEQPAR_CHECK_RANKS"] = "0"
-    return _case_on_rank(*args)
 
 
 def machine_from(path: Path, scale: float = 1.0):
@@ -91,10 +90,8 @@ def collect(args) -> int:
             for method in args.methods.split(","):
                 for agree in settings:
                     case = BenchCase(method, world_size=args.world_size, **shape)
-                    per_rank = ranks.run(case_on_rank, args.world_size, agree, case, args.repeats, args.warmup,
-                                         lock, True, timeout=3600)
-                    traces = [[per_rank[r][i][1] for r in range(args.world_size)] for i in range(args.repeats)]
-                    one = [[per_rank[0][i][2]] for i in range(args.repeats)]
+                    ranks.run(set_agreement, args.world_size, agree)
+                    _, traces, one = run_case(ranks, case, args.repeats, args.warmup, lock, paired=True)
                     with gzip.open(_file(out, method, agree, run), "wt") as fh:
                         json.dump({"traces": traces, "one": one}, fh)
                     meta["cases"].append({"run": run, "method": method, "agree": agree,

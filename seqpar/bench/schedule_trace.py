@@ -221,7 +221,7 @@ def agreement_pass(em: _Emit, me: int, n: int):
     the CPU channel): per round of ``agreement_offsets(n)``, this rank's state of ``STATE_WORDS``
     int64 to the member that far ahead, one from the member that far behind, and their wait. One
     flat group of ranks 0..n-1, as these traces assume throughout; a group without a CPU backend
-    records one ``all_gather`` instead, and usp given a mesh or a pair of groups reduces once per
+    records one ``all_reduce`` instead, and usp given a mesh or a pair of groups reduces once per
     axis."""
     size = 8 * STATE_WORDS
     for step in agreement_offsets(n):

@@ -9,12 +9,12 @@ are left out. A tensor is described by shape, dtype and device type; document of
 anything else by ``repr``.
 
 :func:`quick_agreement` then checks that every rank's fields hash to the same digest and that no
-rank's local validation failed: the ranks combine a small state (any failure, the smallest and the
-largest digest) in ceil(log2 N) rounds of one message each way, or one all-reduce on an NCCL-only
-group (:func:`reduce_state`). Only when
-that fails do the ranks gather their full fingerprints (:func:`seqpar.comm.agreement.
-check_agreement`) to say who passed what. Every rank ends with the same state, so every rank takes
-the same branch: no rank can go on while another raises.
+rank's local validation failed: the ranks combine a small state (any failure, the smallest and
+largest value of each digest word) in ceil(log2 N) rounds of one message each way, or one
+all-reduce on an NCCL-only group (:func:`reduce_state`). Only when that fails do the ranks gather
+their full fingerprints (:func:`seqpar.comm.agreement.check_agreement`) to say who passed what.
+Every rank ends with the same state, so every rank takes the same branch: no rank can go on while
+another raises.
 
 Where the gather travels (:func:`check_device`): on the CPU whenever the group's backend takes CPU
 tensors (gloo, or a group created with ``backend="cpu:gloo,cuda:nccl"``, which is also what
@@ -43,7 +43,7 @@ LOCAL_ONLY = frozenset({"stats", "check_ranks", "trace"})
 #: arguments whose content shapes communication (document offsets): described by count, total and hash
 CONTENT_ARGUMENTS = frozenset({"cu_seqlens"})
 DIGEST_LEN = 3  # 64-bit words of the fields' blake2b digest
-#: the quick agreement's state: [some rank failed locally, smallest digest seen, largest digest seen]
+#: the quick agreement's state: [some rank failed locally, each digest word's smallest, its largest]
 STATE_WORDS = 1 + 2 * DIGEST_LEN
 #: message tags of the two agreement gathers: an agreement message pairs only with its own kind
 #: (never with a payload of the ring, whose tags are small, nor digest with full fingerprint)
@@ -182,17 +182,16 @@ def agreement_offsets(n: int) -> list[int]:
 
 
 def _combine(a: list[int], b: list[int]) -> list[int]:
-    """Two states in one: any failure, the smaller smallest digest, the larger largest digest."""
+    """Two states in one: any failure, then each digest word's smallest and largest value (equal in
+    every word exactly when every state seen carried the same digest)."""
     k = DIGEST_LEN
-    return [max(a[0], b[0]), *min(a[1:1 + k], b[1:1 + k]), *max(a[1 + k:], b[1 + k:])]
+    return [max(a[0], b[0]), *map(min, a[1:1 + k], b[1:1 + k]), *map(max, a[1 + k:], b[1 + k:])]
 
 
 def reduce_state(info: GroupInfo, state: list[int], *, tag: int, device=None, trace=None) -> list[int]:
-    """Every member's :data:`STATE_WORDS` state combined (:func:`_combine`: or, min, max, which do not
-    mind seeing a state twice); the same list on every member. On the CPU channel the digests are
-    the smallest and largest whole digests; on a device group (:func:`_reduce_on_device`) each word's
-    smallest and largest value. Either way the two halves are equal exactly when every member sent
-    the same digest.
+    """Every member's :data:`STATE_WORDS` state combined (:func:`_combine`: or, then each digest word's
+    min and max, which do not mind seeing a state twice); the same list on every member, whichever
+    channel carries it.
 
     On the CPU channel a dissemination: in each round of :func:`agreement_offsets` one message of
     :data:`STATE_WORDS` int64 to one member and one from another, so after ceil(log2 N) rounds every
@@ -215,12 +214,11 @@ def reduce_state(info: GroupInfo, state: list[int], *, tag: int, device=None, tr
 
 
 def _reduce_on_device(info: GroupInfo, state: list[int], device, trace) -> list[int]:
-    """:func:`reduce_state` on a device group: one all-reduce (max) of ``[failed, largest words,
-    complement of the smallest words]`` (``~w`` reverses the order of int64 without overflow), where
-    an all-gather of the states would take N - 1 ring steps (NCCL runs a small all-reduce as a tree
-    across nodes, O(log nodes) steps, or NVLS within a node). The digests come back as the smallest and largest of each word, not
-    of whole digests as on the CPU channel: the two halves are equal exactly when every member sent
-    the same digest, which is all :func:`quick_agreement` asks."""
+    """:func:`reduce_state` on a device group, the same combination as :func:`_combine`: one
+    all-reduce (max) of ``[failed, largest words, complement of the smallest words]`` (``~w``
+    reverses the order of int64 without overflow), where an all-gather of the states would take
+    N - 1 ring steps (NCCL runs a small all-reduce as a tree across nodes, O(log nodes) steps, or
+    NVLS within a node)."""
     k = DIGEST_LEN
     words = [state[0], *state[1 + k:], *(~w for w in state[1:1 + k])]
     x = all_reduce_(info, torch.tensor(words, dtype=torch.int64, device=device), op=dist.ReduceOp.MAX,
