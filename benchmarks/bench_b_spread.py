@@ -37,14 +37,8 @@ import torch
 from seqpar import __version__
 from seqpar.bench.core import BenchCase
 from seqpar.bench.replay import replay
-from seqpar.bench.replay_validate import (
-    STEADY_MALLOC,
-    MachineLock,
-    cpu_machine,
-    floor_traces,
-    kernel_class_traces,
-    run_case,
-)
+from seqpar.bench.local_cores import STEADY_MALLOC, MachineLock
+from seqpar.bench.replay_validate import cpu_machine, floor_traces, kernel_class_traces, run_case
 from seqpar.comm.pool import LocalRanks
 
 RESULTS = Path(__file__).resolve().parent / "results"

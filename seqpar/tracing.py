@@ -121,7 +121,7 @@ class Trace:
     message or collective when not given.
 
     ``exclusive``: a context manager (a lock shared by the ranks of one machine, such as
-    :class:`seqpar.bench.replay_validate.MachineLock`) entered around every compute segment, so
+    :class:`seqpar.bench.local_cores.MachineLock`) entered around every compute segment, so
     that no two ranks compute at once. For measuring on a machine with fewer cores than ranks: a
     segment's CPU time is then that of the kernel alone on a core (not inflated by other ranks'
     kernels evicting its caches), while the run's messages, order and dependencies are unchanged.

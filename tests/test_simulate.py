@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from dataclasses import replace
 
 import pytest
@@ -157,7 +158,8 @@ def test_every_method_traces_with_its_ranks_computing_one_at_a_time(tmp_path):
     holds the lock and never waits on a message), no two ranks' segments overlap in time, and the
     traces replay."""
     from seqpar.bench.core import BenchCase
-    from seqpar.bench.replay_validate import MachineLock, cpu_machine, floor_traces, run_case, validate
+    from seqpar.bench.local_cores import MachineLock
+    from seqpar.bench.replay_validate import cpu_machine, floor_traces, run_case, validate
     from seqpar.comm.pool import LocalRanks
     from seqpar.methods import LINEAR_METHODS, METHODS
 
@@ -185,7 +187,8 @@ def test_the_repeats_of_b_are_taken_round_robin_over_the_methods(tmp_path):
     """(b)'s ``rounds``: each method's repeats spread over the whole call (method after method, round
     after round), every repeat kept in order with its one-rank step; a round count that does not
     divide the repeats is refused before anything runs."""
-    from seqpar.bench.replay_validate import MachineLock, round_robin
+    from seqpar.bench.local_cores import MachineLock
+    from seqpar.bench.replay_validate import round_robin
     from seqpar.comm.pool import LocalRanks
 
     shape = {"seq_len": 32, "heads": 2, "kv_heads": 2, "head_dim": 8}
@@ -216,7 +219,7 @@ def test_one_core_pins_the_thread_and_restores_it():
     """The ranks of (b) compute on one core; the pool's workers get their affinity back afterwards."""
     import os
 
-    from seqpar.bench.replay_validate import one_core
+    from seqpar.bench.local_cores import one_core
 
     before = os.sched_getaffinity(0)
     with one_core() as cpu:
@@ -226,6 +229,54 @@ def test_one_core_pins_the_thread_and_restores_it():
         raise RuntimeError("a failing case")
     assert os.sched_getaffinity(0) == before
 
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning 2 ranks needs 2 CPUs")
+def test_own_core_puts_each_rank_of_a_validation_on_a_cpu_of_its_own(tmp_path):
+    """(a) of benchmarks/validate_replay.py: rank r computes on the r-th CPU (each repeat's trace
+    records its affinity), and gets its affinity back; a pin that cannot be kept raises up front."""
+    from seqpar.bench.core import BenchCase
+    from seqpar.bench.local_cores import MachineLock, own_core
+    from seqpar.bench.replay_validate import cpu_machine, run_case, validate
+    from seqpar.comm.pool import LocalRanks
+
+    cpus = sorted(os.sched_getaffinity(0))
+    shape = {"seq_len": 64, "heads": 2, "kv_heads": 2, "head_dim": 8}
+    with LocalRanks() as ranks:
+        _, traces, _ = run_case(ranks, BenchCase("zigzag_ring", world_size=2, **shape), 2, 0, pin=True)
+        rows = validate(["lasp2"], 2, shape, m=cpu_machine(1e9, 1e-5), ranks=ranks, repeats=1, warmup=0, pin=True)
+        _, free, _ = run_case(ranks, BenchCase("zigzag_ring", world_size=2, **shape), 1, 0)
+    for rep in traces:
+        assert [t["meta"]["cpus"] for t in rep] == [[cpus[0]], [cpus[1]]]
+    assert [t["meta"]["cpus"] for t in free[0]] == [cpus, cpus]  # the same workers, their affinity restored
+    assert 0.0 <= rows[0]["off_cpu"] < 1.0 and rows[0]["error"] > -1.0
+    with pytest.raises(ValueError, match=f"pin: {len(cpus) + 1} ranks cannot have a CPU each"):
+        run_case(None, BenchCase("ring", world_size=len(cpus) + 1, **shape), 1, 0, pin=True)  # before any rank starts
+    with pytest.raises(ValueError, match="pin: the ranks of an exclusive run share one core"):
+        run_case(None, BenchCase("ring", world_size=2, **shape), 1, 0, MachineLock(str(tmp_path / "l")), pin=True)
+    with pytest.raises(ValueError, match=f"pin: {len(cpus) + 1} ranks"), own_core(0, len(cpus) + 1):
+        pass
+    before = os.sched_getaffinity(0)
+    with pytest.raises(RuntimeError), own_core(1, 2) as cpu:
+        assert os.sched_getaffinity(0) == {cpu} == {cpus[1]}
+        raise RuntimeError("a failing case")
+    assert os.sched_getaffinity(0) == before
+
+
+def test_off_cpu_share_is_the_busiest_ranks_compute_time_off_its_cpu():
+    """A compute segment's wall time beyond its thread CPU time, the most of any rank, over the
+    measured step; the median over repeats."""
+    from seqpar.bench.replay_validate import off_cpu_share
+
+    def rank(*segs):
+        return {"events": [{"type": "compute", "wall": w, "cpu": c} for w, c in segs] + [{"type": "wait"}]}
+
+    ms = 1_000_000
+    reps = [[rank((10 * ms, 8 * ms), (5 * ms, 5 * ms)), rank((20 * ms, 19 * ms))],  # 2 ms off of 0.1 s
+            [rank((10 * ms, 10 * ms)), rank((10 * ms, 4 * ms))],  # 6 ms of 0.1 s
+            [rank((10 * ms, 9 * ms)), rank((10 * ms, 10 * ms))]]  # 1 ms of 0.05 s
+    assert off_cpu_share(reps, [0.1, 0.1, 0.05]) == pytest.approx(0.02)
+    assert off_cpu_share(reps[1:2], [0.1]) == pytest.approx(0.06)
 
 def _spans(traces: list[dict]) -> list[tuple[int, int]]:
     """(start, end) of every compute segment of some ranks' traces, on one wall clock (perf_counter)."""

@@ -264,7 +264,7 @@ def test_the_machine_lock_excludes_other_holders_reenters_and_pickles(tmp_path):
     import threading
     import time
 
-    from seqpar.bench.replay_validate import MachineLock
+    from seqpar.bench.local_cores import MachineLock
 
     path = str(tmp_path / "compute.lock")
     first, second = MachineLock(path), pickle.loads(pickle.dumps(MachineLock(path)))

@@ -15,10 +15,8 @@ one-rank run, which thread CPU times make independent of how the cores were shar
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import statistics
-import threading
 import time
 from dataclasses import replace
 
@@ -31,20 +29,11 @@ from seqpar.comm.pool import LocalRanks
 from seqpar.tracing import Trace, trace
 
 from .core import _TWO_WAY, BenchCase, _call, _inputs
+from .local_cores import MachineLock, check_own_cores, one_core, own_core
 from .machine import Machine
 from .replay import replay
 
 PINGPONG_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
-
-# glibc's malloc settings for the rank processes of a validation (environment variables, read when a
-# process starts): keep freed memory instead of returning it to the system. By default glibc gives a
-# large freed block back (munmap), so every fresh large tensor page-faults its memory in again, and
-# those faults are CPU time of the kernel that allocates. Measured here (lasp2, one rank, T = 4096,
-# 3 repeats): steps of 368-460 ms by default, 265-284 ms with these; one kernel (the backward's
-# last) took 73-170 ms by default and 29-39 ms with them. Ten 64 MB element-wise ops: 327,700 page
-# faults and 0.63 s by default, 0 and 0.09 s with both settings (glibc 2.36). A GPU run does not
-# page-fault per tensor: PyTorch's CUDA caching allocator reuses its blocks, as glibc does here.
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
 def _pingpong_on_rank(sizes, repeats: int, cpu: bool = False, stat=statistics.median) -> list:
@@ -169,63 +158,21 @@ def cpu_machine(bandwidth: float, latency: float, name: str = "this machine",
                    collectives=dict(collectives or {}))
 
 
-class MachineLock:
-    """A lock shared by every process of this machine that names the same file (``flock``): the
-    ``exclusive`` of a :class:`seqpar.Trace`, so that the ranks' compute segments run one at a time.
-    Re-entrant within a process (a segment inside a segment keeps it); picklable (the path)."""
-
-    def __init__(self, path: str):
-        self.path = str(path)
-        self._fd, self._depth, self._mutex = None, 0, None
-
-    def __getstate__(self) -> dict:
-        return {"path": self.path}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"])
-
-    def __enter__(self) -> "MachineLock":
-        if self._mutex is None:
-            self._mutex = threading.RLock()
-        self._mutex.acquire()
-        if self._depth == 0:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        self._depth += 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self._mutex.release()
-
-
-@contextlib.contextmanager
-def one_core():
-    """Run this thread on one CPU (the first this process may use) inside the block, then restore its
-    affinity. :func:`_case_on_rank` pins every rank's compute thread to the same CPU when the ranks
-    compute one at a time: each kernel (of every rank, and of the paired one-rank step) then runs on
-    the same core, with that core's caches and its share of the host; the threads started before
-    (gloo's) keep their affinity."""
-    before = os.sched_getaffinity(0)
-    cpu = min(before)
-    os.sched_setaffinity(0, {cpu})
-    try:
-        yield cpu
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 def _case_on_rank(case: BenchCase, repeats: int, warmup: int, exclusive: MachineLock | None = None,
-                  paired: bool = False) -> list[tuple[float, dict, dict | None]]:
+                  paired: bool = False, pin: bool = False) -> list[tuple[float, dict, dict | None]]:
     """Every repeat's (this rank's fwd+bwd wall seconds, trace, one-rank trace or None) of ``case``
     (the bench's call); with ``exclusive``, the ranks compute one at a time (:class:`seqpar.Trace`),
-    all on one core (:func:`one_core`). With ``paired``, rank 0 runs the same method on one rank (the
-    whole sequence, a group of its own) after every N-rank step, while the other ranks wait: the
-    one-rank reference of each repeat is measured seconds after that repeat, in the same processes."""
-    with one_core() if exclusive is not None else contextlib.nullcontext():
+    all on one core (:func:`one_core`); with ``pin``, each rank's compute thread on a core of its own
+    (:func:`own_core`). With ``paired``, rank 0 runs the same method on one rank (the whole
+    sequence, a group of its own) after every N-rank step, while the other ranks wait: the one-rank
+    reference of each repeat is measured seconds after that repeat, in the same processes."""
+    if exclusive is not None:
+        place = one_core()
+    elif pin:
+        place = own_core(dist.get_rank() if dist.is_initialized() else 0, case.world_size)
+    else:
+        place = contextlib.nullcontext()
+    with place:
         return _repeats_on_rank(case, repeats, warmup, exclusive, paired)
 
 
@@ -268,10 +215,17 @@ def _trace(case: BenchCase, rank: int, world_size: int, exclusive) -> Trace:
 
 
 def run_case(ranks: LocalRanks, case: BenchCase, repeats: int = 3, warmup: int = 1,
-             exclusive: MachineLock | None = None, paired: bool = False) -> tuple[list, list, list]:
+             exclusive: MachineLock | None = None, paired: bool = False,
+             pin: bool = False) -> tuple[list, list, list]:
     """(measured steps: the slowest rank per repeat, traces: per repeat the list of every rank's,
-    one-rank traces: per repeat a list of one trace with ``paired``, else [])."""
-    per_rank = ranks.run(_case_on_rank, case.world_size, case, repeats, warmup, exclusive, paired, timeout=3600)
+    one-rank traces: per repeat a list of one trace with ``paired``, else []); ``exclusive`` and
+    ``pin`` as for :func:`_case_on_rank` (not both)."""
+    if exclusive is not None and pin:
+        raise ValueError("pin: the ranks of an exclusive run share one core (one_core); pass pin=False")
+    if pin:
+        check_own_cores(case.world_size)
+    per_rank = ranks.run(_case_on_rank, case.world_size, case, repeats, warmup, exclusive, paired, pin,
+                         timeout=3600)
     steps = [max(per_rank[r][i][0] for r in range(case.world_size)) for i in range(repeats)]
     traces = [[per_rank[r][i][1] for r in range(case.world_size)] for i in range(repeats)]
     one = [[per_rank[0][i][2]] for i in range(repeats)] if paired else []
@@ -339,8 +293,9 @@ def _kernel_class(ev: dict) -> tuple:
 
 def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalRanks, repeats: int = 3,
              warmup: int = 1, ideal: bool = False, exclusive: MachineLock | None = None,
-             rounds: int = 1) -> list[dict]:
+             rounds: int = 1, pin: bool = False) -> list[dict]:
     """One row per method: measured and replayed step (medians over repeats), their error,
+    ``off_cpu`` (the compute segments' time off the CPU, :func:`off_cpu_share`),
     ``efficiency_own`` (the ranks' mean traced busy time over the replayed step: the schedule's
     imbalance, exposed communication and waiting, measured against the same run's own work), and
     with ``ideal`` the replayed efficiency against a replayed one-rank run (its step / N / the step),
@@ -352,11 +307,11 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
     With ``exclusive`` (a :class:`MachineLock`) the ranks compute one at a time, all on one core
     (:func:`one_core`), so each traced kernel time is that kernel's alone on that core however many
     ranks share the cores; the measured wall clock then says nothing about the method and the row
-    has no ``error``. ``rounds`` > 1 takes the repeats in that many rounds over ``methods``
-    (:func:`round_robin`)."""
+    has no ``error``. With ``pin`` each rank computes on a core of its own (:func:`own_core`).
+    ``rounds`` > 1 takes the repeats in that many rounds over ``methods`` (:func:`round_robin`)."""
     rows = []
     for meth, (measured, traces, one) in round_robin(ranks, methods, world_size, shape, repeats, warmup,
-                                                     exclusive, ideal, rounds).items():
+                                                     exclusive, ideal, rounds, pin).items():
         results = [replay(tr, m, expect={"method": meth, "world_size": world_size}) for tr in traces]
         replayed = [r.step_s for r in results]
         # the same run's traced work, perfectly divided: mean busy (compute + host) time over the step
@@ -366,6 +321,7 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
                "efficiency_own": statistics.median(own), "exclusive": exclusive is not None}
         if exclusive is None:
             row["error"] = row["replayed_s"] / row["measured_s"] - 1
+            row["off_cpu"] = off_cpu_share(traces, measured)
         if ideal:
             row.update(_against_one_rank(traces, one, row["replayed_s"], m))
         rows.append(row)
@@ -373,7 +329,7 @@ def validate(methods, world_size: int, shape: dict, *, m: Machine, ranks: LocalR
 
 
 def round_robin(ranks: LocalRanks, methods, world_size: int, shape: dict, repeats: int, warmup: int,
-                exclusive, paired: bool, rounds: int = 1) -> dict:
+                exclusive, paired: bool, rounds: int = 1, pin: bool = False) -> dict:
     """method -> :func:`run_case`'s (measured, traces, one-rank traces), its ``repeats`` taken
     ``repeats // rounds`` at a time, method after method, round after round: each method's repeats
     spread over the whole call instead of one stretch of it, so that the least disturbed time of a
@@ -392,10 +348,22 @@ def round_robin(ranks: LocalRanks, methods, world_size: int, shape: dict, repeat
     for r in range(rounds):
         for meth in methods:
             got = run_case(ranks, BenchCase(meth, world_size=world_size, **shape), repeats // rounds,
-                           warmup if r == 0 else 0, exclusive, paired=paired)
+                           warmup if r == 0 else 0, exclusive, paired=paired, pin=pin)
             for acc, new in zip(out[meth], got):
                 acc.extend(new)
     return out
+
+
+def off_cpu_share(traces: list[list[dict]], measured: list[float]) -> float:
+    """Median over the repeats of the most time any rank's compute segments spent off its CPU (their
+    wall time minus their thread CPU time, which the replay computes with) over the measured step:
+    the part of a measured step that a replay with traced CPU times cannot see (a rank taken off its
+    core by other threads, or runnable and waiting for one; :func:`own_core`)."""
+    shares = []
+    for ranks, step in zip(traces, measured):
+        off = max(sum(ev["wall"] - ev["cpu"] for ev in tr["events"] if ev["type"] == "compute") for tr in ranks)
+        shares.append(off * 1e-9 / step)
+    return statistics.median(shares)
 
 
 def _against_one_rank(traces, one, replayed_s, m) -> dict:
@@ -442,6 +410,5 @@ def _overhead_on_rank(case: BenchCase, repeats: int) -> list[tuple[float, float,
     return out
 
 
-__all__ = ["LATENCY_REPEATS", "STEADY_MALLOC", "MachineLock", "calibrate_link", "calibrate_transfer_cpu", "cpu_machine",
-           "floor_traces", "kernel_class_traces",
-           "one_core", "run_case", "tracing_overhead", "validate"]
+__all__ = ["LATENCY_REPEATS", "calibrate_link", "calibrate_transfer_cpu", "cpu_machine", "floor_traces",
+           "kernel_class_traces", "off_cpu_share", "round_robin", "run_case", "tracing_overhead", "validate"]
