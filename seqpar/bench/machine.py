@@ -57,7 +57,9 @@ HBM_EFFICIENCY = 0.85
 # A kernel that overlaps with communication on the same GPU runs slower: NCCL's kernels take SMs and
 # memory bandwidth. Lee et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated
 # Distributed Deep Learning", arXiv 2507.03114, measured an average computational slowdown of 18.9%
-# on A100 and H100 GPUs.
+# on A100 and H100 GPUs. On one H100 (benchmarks/gpu_overlap.py) a FlashAttention-2 backward block
+# beside a copy by 2-4 thread blocks that hold their SMs ran 0.4-1.5% slower, by 8-16 blocks 12-13%,
+# by 32 blocks 35%; how many NCCL's send/recv takes for an NVLink peer was not measured here.
 OVERLAP_SLOWDOWN = 0.189
 # Launching a kernel: CUDA launch latency is a few microseconds; a block call is several kernels
 # (attention, merge, casts), and the host enqueues them ahead of the GPU: 5 us per traced block.
