@@ -29,13 +29,7 @@ import torch
 
 from seqpar import __version__
 from seqpar.bench.local_cores import STEADY_MALLOC
-from seqpar.bench.replay_validate import (
-    calibrate_collectives,
-    calibrate_link,
-    calibrate_transfer_cpu,
-    cpu_machine,
-    validate,
-)
+from seqpar.bench.replay_validate import calibrate_machine, validate
 from seqpar.comm.pool import LocalRanks
 from seqpar.methods import LINEAR_METHODS, METHODS
 
@@ -49,9 +43,8 @@ def collect(args) -> dict:
            "shape": shape, "repeats": args.repeats, "passes": []}
     os.environ.update(STEADY_MALLOC)  # read by the rank processes when they start
     with LocalRanks() as ranks:
-        bw, lat = calibrate_link(ranks)
-        m = cpu_machine(bw, lat, collectives=calibrate_collectives(ranks), transfer_cpu=calibrate_transfer_cpu(ranks))
-        out["link"] = {"bandwidth": bw, "latency": lat, "transfer_cpu": m.transfer_cpu}
+        m = calibrate_machine(ranks)
+        out["link"] = {"bandwidth": m.intra_bw, "latency": m.intra_lat, "transfer_cpu": m.transfer_cpu}
         for i in range(args.passes):
             for pin in (True, False) if i % 2 == 0 else (False, True):  # alternate which goes first
                 load = os.getloadavg()[0]

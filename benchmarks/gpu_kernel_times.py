@@ -20,8 +20,9 @@ traces (:func:`seqpar.bench.schedule_trace.rank_events`) on this GPU, forward an
 - ``model``: the kernel model's time of the kernel alone (FLOPs / rate) and of the epilogue
   (bytes / HBM), :data:`seqpar.bench.machine.KERNELS` ``[h100-fa2]``.
 
-Times are the median of CUDA-event timings after warm-up. Writes ``DIR/gpu_kernel_times.json``
-(rows, machine, versions, command) and prints a table. ``project_replay.py --kernel-times FILE``
+Times are the median of CUDA-event timings after warm-up, each queued behind :func:`hold` (until
+2026-11-26 they started on an idle GPU and so included the host's launch). Writes
+``DIR/gpu_kernel_times.json`` (rows, machine, versions, command) and prints a table. ``project_replay.py --kernel-times FILE``
 replays the ring-flash-attention comparison with these times in place of the published rates.
 """
 
@@ -78,19 +79,35 @@ def _causal_flops(shape, bwd: bool) -> float:
     return float(block_flops(b, rows, cols, hq, d, "causal", backward=bwd))
 
 
-def timed(fn, warmup: int, reps: int) -> dict:
-    """Median / min / max milliseconds of ``fn()`` by CUDA events."""
+HOLD_CYCLES = 2_000_000  # about 1 ms at the H100's and H200's 1.98 GHz (hold())
+
+
+def hold(stream=None) -> None:
+    """Keep ``stream`` (the current one by default) busy for about 1 ms, so that the launches after
+    it queue up behind it: a timing that starts after it holds the GPU's time, not the host's.
+    Started on an idle GPU instead, a timing includes the host's launch of the call (on an H100,
+    2026-11-26: 0.03-0.16 ms a FlashAttention-2 forward, 0.3-0.4 ms a backward through autograd,
+    0.3-0.9 ms a Triton forward)."""
+    with torch.cuda.stream(stream or torch.cuda.current_stream()):
+        torch.cuda._sleep(HOLD_CYCLES)
+
+
+def timed(fn, warmup: int, reps: int, calls: int = 1) -> dict:
+    """Median / min / max milliseconds per call of ``fn()`` by CUDA events, each timing ``calls``
+    calls back to back queued behind :func:`hold`."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     ms = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        hold()
         a.record()
-        fn()
+        for _ in range(calls):
+            fn()
         b.record()
         b.synchronize()
-        ms.append(a.elapsed_time(b))
+        ms.append(a.elapsed_time(b) / calls)
     return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms)}
 
 

@@ -17,7 +17,7 @@ own GPU can be timed on one:
   fp32 on every backward step, a second ring), ``Work.wait`` as a stream-event wait; against the
   ideal (the causal 8K call), as the published table does.
 
-Every timing queues its launches behind :func:`hold`, so it holds the GPU's time, not the host's,
+Every timing queues its launches behind ``gpu_kernel_times.hold``, so it holds the GPU's time, not the host's,
 as ring-flash-attention's benchmark (calls back to back) does. The NCCL stand-in (``paced_copy``,
 CuPy RawKernel) copies the message's bytes in device memory with ``ctas`` thread blocks of 512
 threads, held to ``rate`` bytes per second by the GPU's global timer; ``exclusive`` reserves 200 KB
@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -41,11 +39,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_kernel_times import _machine as machine_info  # noqa: E402
+from gpu_kernel_times import hold, timed  # noqa: E402
+
 TOKENS, HQ, HKV, D, N = 8192, 32, 8, 128, 8  # ring-flash-attention's published setting, per GPU
 KV_BYTES = 2 * TOKENS * HKV * D * 2  # K and V, bf16: what a step sends forward and backward
 DKV_BYTES = 2 * TOKENS * HKV * D * 4  # dK and dV, fp32: the backward's second ring
 RESERVE = 200 * 1024  # shared memory per stand-in block when exclusive
-HOLD_CYCLES = 2_000_000  # about 1 ms at the H100's and H200's 1.98 GHz (hold())
 
 PACED = r"""
 extern "C" __global__ void paced_copy(const int4* __restrict__ src, int4* __restrict__ dst, long long n16,
@@ -147,15 +149,6 @@ def flash_blocks() -> dict:
     half = TOKENS // 2
     return {"diag": make(TOKENS, TOKENS, True), "q_full": make(TOKENS, half, False),
             "q_half": make(half, TOKENS, False)}
-
-
-def hold(stream: torch.cuda.Stream | None = None) -> None:
-    """Keep ``stream`` (the current one by default) busy for about 1 ms before the next start event,
-    so that the launches that follow queue up behind it: the timings then hold the GPU's time, not
-    the host's (ring-flash-attention's benchmark runs its calls back to back, which hides the host
-    the same way)."""
-    with torch.cuda.stream(stream or torch.cuda.current_stream()):
-        torch.cuda._sleep(HOLD_CYCLES)
 
 
 def beside(blocks, transfer: Transfer | None, which: str, block: str, reps: int, first: str = "transfer",
@@ -306,22 +299,9 @@ def zigzag_rank(blocks, rank: int, transfer: Transfer | None, merge: str | None)
 def ideal_ms(blocks, reps: int) -> tuple[float, float]:
     """The causal 8K call, forward and backward, 10 calls back to back per timing: ring-flash-
     attention's "theoretic flash_attn" (its benchmark times a loop of calls)."""
-    fwd = statistics.median(_timed(blocks["diag"][0], 10) for _ in range(reps))
-    bwd = statistics.median(_timed(blocks["diag"][1], 10) for _ in range(reps))
+    fwd = timed(blocks["diag"][0], 0, reps, calls=10)["median_ms"]
+    bwd = timed(blocks["diag"][1], 0, reps, calls=10)["median_ms"]
     return fwd, bwd
-
-
-def _timed(fn, calls: int = 1) -> float:
-    """ms per call of ``calls`` calls queued behind :func:`hold`."""
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    hold()
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / calls
 
 
 # (blocks, rate GB/s or None for full speed, exclusive SMs) of the transfer stand-in
@@ -380,14 +360,10 @@ def run_steps(blocks, src, dst, reps: int, ideal: tuple[float, float]) -> list[d
 
 
 def _machine() -> dict:
-    query = "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu"
-    smi = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True, check=False)
     import cupy
 
-    return {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-            "sms": torch.cuda.get_device_properties(0).multi_processor_count, "nvidia_smi": smi.stdout.strip(),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "cupy": cupy.__version__,
-            "python": platform.python_version()}
+    return {**machine_info(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+            "cupy": cupy.__version__}
 
 
 def main(argv=None) -> int:
@@ -411,7 +387,7 @@ def main(argv=None) -> int:
     for fwd, bwd in blocks.values():  # warm-up
         fwd(), bwd()
     doc["ideal_ms"] = ideal_ms(blocks, args.reps)
-    doc["block_ms"] = {name: [statistics.median(_timed(fn, 10) for _ in range(args.reps)) for fn in pair]
+    doc["block_ms"] = {name: [timed(fn, 0, args.reps, calls=10)["median_ms"] for fn in pair]
                        for name, pair in blocks.items()}  # per call, 10 back to back: [forward, backward]
     doc["kernels_sum_ms"] = [[sum(doc["block_ms"]["diag" if s_ == 0 else ("q_full" if s_ <= r else "q_half")][p_]
                                   for s_ in range(N)) for p_ in (0, 1)] for r in range(N)]

@@ -51,10 +51,7 @@ from seqpar.bench.core import BenchCase
 from seqpar.bench.local_cores import STEADY_MALLOC, MachineLock
 from seqpar.bench.replay_validate import (
     LATENCY_REPEATS,
-    calibrate_collectives,
-    calibrate_link,
-    calibrate_transfer_cpu,
-    cpu_machine,
+    calibrate_machine,
     tracing_overhead,
     validate,
 )
@@ -131,12 +128,10 @@ def main(argv=None) -> int:
     os.environ.update(STEADY_MALLOC)  # read by the rank processes when they start
     lock = MachineLock(os.path.join(tempfile.mkdtemp(prefix="seqpar-validate-"), "compute.lock"))
     with LocalRanks() as ranks:
-        bw, lat = calibrate_link(ranks)  # once, on the idle machine: a property of the machine
-        colls = calibrate_collectives(ranks)
-        share = calibrate_transfer_cpu(ranks)
-        m = cpu_machine(bw, lat, collectives=colls, transfer_cpu=share)
-        result["link"] = {"bandwidth": bw, "latency": lat, "latency_repeats": LATENCY_REPEATS, "transfer_cpu": share}
-        result["collectives"] = {k: {"bandwidth": b, "latency": lt} for k, (b, lt) in colls.items()}
+        m = calibrate_machine(ranks)  # once, on the idle machine: a property of the machine
+        result["link"] = {"bandwidth": m.intra_bw, "latency": m.intra_lat, "latency_repeats": LATENCY_REPEATS,
+                          "transfer_cpu": m.transfer_cpu}
+        result["collectives"] = {k: {"bandwidth": b, "latency": lt} for k, (b, lt) in m.collectives.items()}
         for run in range(args.runs):
             if run and not _wait_idle(args.max_load, args.wait):
                 print(f"run {run}: the machine did not become idle within --wait {args.wait} s; running anyway "

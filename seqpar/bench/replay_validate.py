@@ -146,6 +146,14 @@ def calibrate_collectives(ranks: LocalRanks, sizes=COLLECTIVE_BYTES, repeats: in
     return fitted
 
 
+def calibrate_machine(ranks: LocalRanks) -> Machine:
+    """This machine's :func:`cpu_machine` with everything calibrated on ``ranks``: the ping-pong link
+    (:func:`calibrate_link`), each collective (:func:`calibrate_collectives`) and the transfers'
+    CPU (:func:`calibrate_transfer_cpu`). Run it once, on the idle machine."""
+    bw, lat = calibrate_link(ranks)
+    return cpu_machine(bw, lat, collectives=calibrate_collectives(ranks), transfer_cpu=calibrate_transfer_cpu(ranks))
+
+
 def cpu_machine(bandwidth: float, latency: float, name: str = "this machine",
                 collectives: dict | None = None, transfer_cpu: float = 0.0) -> Machine:
     """Traced CPU times and host work, every rank its own port (one node); ``collectives`` from
@@ -410,5 +418,5 @@ def _overhead_on_rank(case: BenchCase, repeats: int) -> list[tuple[float, float,
     return out
 
 
-__all__ = ["LATENCY_REPEATS", "calibrate_link", "calibrate_transfer_cpu", "cpu_machine", "floor_traces",
+__all__ = ["LATENCY_REPEATS", "calibrate_link", "calibrate_machine", "calibrate_transfer_cpu", "cpu_machine", "floor_traces",
            "kernel_class_traces", "off_cpu_share", "round_robin", "run_case", "tracing_overhead", "validate"]

@@ -135,11 +135,11 @@ class TorchCUDABackend(Backend):
         torch's flash kernel serves (not causal, or causal and square; see :meth:`_use_flash`).
 
         Measured on one H100 80GB HBM3 (torch 2.11.0+cu130, triton 3.6.0; bf16, 32 query / 8 K,V
-        heads, D = 128; benchmarks/results/gpu_real/): the backward of a full 8K x 8K block took
-        9.5 ms here against 17.3 ms in seqpar's Triton kernel, 8K x 4K 5.3 against 9.2-9.4, a causal
-        8K 5.7 against 9.2. Not so where the memory-efficient kernel would serve it (causal 8K x 4K:
-        9.0 ms here, 7.6 in Triton), nor for the forward (Triton with its fused merge 1.3-2.6 ms,
-        this backend plus the merge 2.1-3.8). Packed calls (``plan`` None) keep 30: this backend has
+        heads, D = 128; benchmarks/results/gpu_real/, launches queued): the backward of a full 8K x 8K
+        block took 9.2 ms here against 16.6 ms in seqpar's Triton kernel, 8K x 4K 4.6-4.9 against
+        8.0-8.2, a causal 8K 5.3 against 8.2. Not so where the memory-efficient kernel would serve it
+        (causal 8K x 4K: 8.4 ms here, 6.5 in Triton), nor for the forward (Triton with its fused
+        merge 0.9-2.2 ms, this backend plus the merge 1.8-3.5). Packed calls (``plan`` None) keep 30: this backend has
         no varlen kernel, and one Triton varlen launch stays preferred to a block call per document
         (not measured on a GPU)."""
         preferred, priority = super().rank(dtype, for_backward, plan)
