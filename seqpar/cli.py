@@ -31,7 +31,7 @@ def simulate_main(argv: list[str]) -> int:
 
 
 def train_main(argv: list[str]) -> int:
-    from seqpar.integrations.trainer import main as run
+    from seqpar.integrations.train import main as run
 
     return run(argv)
 

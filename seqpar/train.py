@@ -1,4 +1,4 @@
-"""``python -m seqpar.train``: the same as ``seqpar train`` (see :mod:`seqpar.integrations.trainer`).
+"""``python -m seqpar.train``: the same as ``seqpar train`` (see :mod:`seqpar.integrations.train`).
 
 Local CPU ranks: ``python -m seqpar.train --nproc 4 --context-parallel 4``.
 GPUs: ``torchrun --nproc-per-node 8 -m seqpar.train --context-parallel 4``.
@@ -6,7 +6,7 @@ GPUs: ``torchrun --nproc-per-node 8 -m seqpar.train --context-parallel 4``.
 
 import sys
 
-from seqpar.integrations.trainer import main
+from seqpar.integrations.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

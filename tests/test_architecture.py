@@ -106,7 +106,7 @@ def test_library_files_and_functions_are_small():
 def test_every_consumer_agrees_with_the_method_declarations():
     import seqpar
     from seqpar.bench.suite import METHOD_GROUPS
-    from seqpar.integrations.trainer_config import build_parser
+    from seqpar.integrations.train.config import build_parser
     from seqpar.layouts import LAYOUTS, placement
     from seqpar.linear.plans import PLANS, resolve_plan
     from seqpar.schedulers import KNOWN_METHODS, LINEAR_METHODS, SOFTMAX_METHODS, ClusterSpec, CostModel

@@ -276,7 +276,7 @@ def _cluster():
 
 
 def _train_cfg(tmp_path, *extra):
-    from seqpar.integrations.trainer_config import parse_args
+    from seqpar.integrations.train.config import parse_args
 
     (tmp_path / "a.txt").write_text("hello world " * 200)
     return parse_args(["--data", str(tmp_path), "--seq-len", "16", "--nproc", "2", *extra])
@@ -293,7 +293,7 @@ LOCAL = {
 
 
 def _validate(cfg):
-    from seqpar.integrations.trainer_config import validate
+    from seqpar.integrations.train.config import validate
 
     return validate(cfg, 2)
 

@@ -213,11 +213,12 @@ class _PackedStandIn:
 def test_packed_plumbing_with_a_single_device_stand_in(monkeypatch):
     """cu_seqlens reaches every attention call, padding is skipped, positions restart per document:
     the model equals the unmodified one run on each document separately."""
-    import seqpar.integrations.hf as hf
+    import seqpar.integrations.hf.convert as convert
+    import seqpar.integrations.hf.inputs as inputs
 
-    stand_in = _PackedStandIn(hf.shard)
-    monkeypatch.setattr(hf, "shard", stand_in.shard)
-    monkeypatch.setattr(hf, "attention", stand_in.attention)
+    stand_in = _PackedStandIn(inputs.shard)
+    monkeypatch.setattr(inputs, "shard", stand_in.shard)
+    monkeypatch.setattr(convert, "attention", stand_in.attention)
     errs, index = _packed_matches_per_document("llama", "zigzag_ring", [5, 1, 11, 7, 2], 3)
     assert index[-3:] == [-1, -1, -1] and sorted(index[:-3]) == list(range(26))
     assert stand_in.calls == 2  # one per decoder layer

@@ -81,14 +81,14 @@ def test_suite_values_are_read_as_written(config, match):
 @pytest.mark.parametrize("flag,value", [("--grad-clip", "-1"), ("--warmup", "-1"), ("--weight-decay", "-0.1"),
                                         ("--timeout", "0")])
 def test_trainer_flags_are_not_reinterpreted(flag, value):
-    from seqpar.integrations.trainer_config import parse_args, validate
+    from seqpar.integrations.train.config import parse_args, validate
 
     with pytest.raises(ValueError, match=f"{flag}: expected a"):
         validate(parse_args([flag, value]), 1)
 
 
 def test_an_unreadable_data_file_is_an_error(tmp_path):
-    from seqpar.integrations.trainer_data import TextFiles
+    from seqpar.integrations.train.data import TextFiles
 
     (tmp_path / "a.txt").write_text("hello")
     os.symlink(tmp_path / "missing.txt", tmp_path / "b.txt")

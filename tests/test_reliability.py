@@ -32,7 +32,7 @@ def _call(method):
     """One call of ``method`` on 3 ranks (3 heads: Ulysses needs a multiple of N); returns its output."""
     gen = torch.Generator().manual_seed(0)
     if method == "checkpoint barrier":  # a collective of the trainer (seqpar train's checkpointing)
-        from seqpar.integrations.trainer_ckpt import _barrier
+        from seqpar.integrations.train.ckpt import _barrier
 
         return _barrier()
     if method in seqpar.LINEAR_METHODS:

@@ -56,7 +56,7 @@ def test_calibrate_under_torchrun_writes_a_usable_file(tmp_path):
 def test_train_under_torchrun_matches_one_process(tmp_path):
     """Context parallel over 2 torchrun ranks gives the losses of the same run in one process."""
     pytest.importorskip("transformers")
-    from seqpar.integrations.trainer import train
+    from seqpar.integrations.train import train
 
     args = ["--steps", "2", "--seq-len", "128", "--no-progress", "--log-every", "1000"]
     log = tmp_path / "log.jsonl"

@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from seqpar.integrations import trainer_ckpt  # noqa: E402
-from seqpar.integrations.trainer import main, train  # noqa: E402
-from seqpar.integrations.trainer_config import load_model_config  # noqa: E402
+from seqpar.integrations.train import ckpt as trainer_ckpt  # noqa: E402
+from seqpar.integrations.train import main, train  # noqa: E402
+from seqpar.integrations.train.config import load_model_config  # noqa: E402
 
 TINY = {"model_type": "llama", "vocab_size": 259, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -160,7 +160,7 @@ def _calibration_file(tmp_path, methods):
 def test_adaptive_plans_with_a_calibration_file(tmp_path):
     """--calibration: the scheduler plans with the file's methods (here only ring) and machine, moved to
     the model's shape; the step is still the single-rank one."""
-    from seqpar.integrations.trainer_config import adaptive_models, parse_args
+    from seqpar.integrations.train.config import adaptive_models, parse_args
 
     cal = _calibration_file(tmp_path, ["ring", "ulysses"])
     cfg = parse_args(_args(tmp_path, "--adaptive", "--calibration", cal))  # writes model.json

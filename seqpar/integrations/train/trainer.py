@@ -9,7 +9,7 @@ the same computation whatever ``cp`` and ``dp`` are (up to fp32 rounding).
 
 Launch: ``--nproc N`` spawns N local CPU ranks (gloo); under ``torchrun`` the launched ranks are
 used (NCCL on GPUs, gloo on CPU); ``--nproc 1`` runs in this process. Checkpoints: see
-:mod:`.trainer_ckpt`. Data: see :mod:`.trainer_data`.
+:mod:`.ckpt`. Data: see :mod:`.data`.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import peer_errors
-from ..comm.launch import launched_by_torchrun, launched_process_group, usable_cores
-from ..comm.pool import WorkerPool
-from .hf import apply_context_parallel
-from .trainer_ckpt import (
+from ...comm.collectives import peer_errors
+from ...comm.launch import launched_by_torchrun, launched_process_group, usable_cores
+from ...comm.pool import WorkerPool
+from ..hf import apply_context_parallel
+from .ckpt import (
     load_checkpoint,
     model_fingerprint,
     resolve_resume,
     save_checkpoint,
 )
-from .trainer_config import (
+from .config import (
     TrainConfig,
     global_batch,
     load_model_config,
@@ -42,9 +42,9 @@ from .trainer_config import (
     validate,
     world_size_of,
 )
-from .trainer_data import PackedSequences, TextFiles
-from .trainer_log import TrainLog, plot_losses, summary
-from .trainer_step import Runtime, lr_at, maybe_crash, peak_memory_mib, static_step, sync
+from .data import PackedSequences, TextFiles
+from .log import TrainLog, plot_losses, summary
+from .step import Runtime, lr_at, maybe_crash, peak_memory_mib, static_step, sync
 
 
 @dataclass
@@ -135,7 +135,7 @@ def _build_model(cfg: TrainConfig, device: torch.device):
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif cfg.checkpointing == "attention":
-        from ..softmax.checkpoint import apply_checkpointing
+        from ...softmax.checkpoint import apply_checkpointing
 
         apply_checkpointing(model, mode="attention")
     return model
@@ -185,8 +185,8 @@ def _start(cfg: TrainConfig) -> _Run:
     run = _Run(cfg, rt, PackedSequences(files, cfg.seq_len, cfg.seed), model, params, optimizer, batch, settings,
                fingerprint, result, log)
     if cfg.adaptive:
-        from .trainer_adaptive import AdaptiveRunner
-        from .trainer_config import adaptive_models
+        from .adaptive import AdaptiveRunner
+        from .config import adaptive_models
 
         cluster, cost = adaptive_models(cfg, rt.world, model.config)
         run.runner = AdaptiveRunner(model, rt.world, rt.rank, cost_model=cost, cluster=cluster)

@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from .trainer_config import TrainConfig
+from .config import TrainConfig
 
 
 class TrainLog:

@@ -25,10 +25,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import peer_errors
-from ..methods import ADAPTIVE_METHODS
-from .hf import apply_context_parallel, shard_inputs
-from .trainer_step import token_loss
+from ...comm.collectives import peer_errors
+from ...methods import ADAPTIVE_METHODS
+from ..hf import apply_context_parallel, shard_inputs
+from .step import token_loss
 
 
 class AdaptiveRunner:

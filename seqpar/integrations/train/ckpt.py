@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..comm.collectives import peer_errors
+from ...comm.collectives import peer_errors
 
 COMPLETE = "COMPLETE"
 META = "meta.json"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from seqpar.methods import ADAPTIVE_METHODS, METHODS
 
-from .trainer_data import VOCAB_SIZE, TextFiles, default_data_dir
+from .data import VOCAB_SIZE, TextFiles, default_data_dir
 
 CHECKPOINTING = ("none", "layer", "attention")
 DTYPES = ("float32", "bfloat16", "float16")

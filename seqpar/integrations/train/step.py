@@ -1,6 +1,6 @@
 """One training step of ``seqpar train``: the loss of this rank's tokens, its backward, the gradient sum
 over the world, the learning-rate schedule and fault injection. Shared by the fixed-mesh trainer
-(:mod:`.trainer`) and the adaptive one (:mod:`.trainer_adaptive`)."""
+(:mod:`.trainer`) and the adaptive one (:mod:`.adaptive`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..comm.collectives import peer_errors
-from .hf import IGNORE_INDEX, shard_inputs
-from .trainer_config import TrainConfig
+from ...comm.collectives import peer_errors
+from ..hf import IGNORE_INDEX, shard_inputs
+from .config import TrainConfig
 
 _GRAD_BUCKET = 1 << 26  # elements per gradient all-reduce (256 MB of fp32)
 
