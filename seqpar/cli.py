@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: seqpar {" + ",".join(COMMANDS) + "} [options]\n"
-              "  bench      time every method against the ideal (default: 4 local CPU ranks)\n"
+              "  bench      time every method against the ideal (default: a local CPU rank per core, 2-8)\n"
               "  plan       plan SP groups for a batch of sequence lengths (adaptive scheduler)\n"
               "  train      train a transformers Llama with --context-parallel N on packed text\n"
               "  calibrate  measure the cost model on this machine (CPU ranks or torchrun GPUs) to JSON\n"

@@ -187,3 +187,61 @@ def test_emulate_measures_imbalance(tmp_path):
         assert 0 < r["efficiency"] and r["single_ms"] > 0 and len(r["extra"]["rank_ms"]) == 4
     (path,) = write_plots(list(rows.values()), str(tmp_path))
     assert path.endswith("emulate_efficiency.png") and open(path, "rb").read(4) == b"\x89PNG"
+
+
+@pytest.mark.parametrize("cores, threads, expected", [(1, 1, 2), (2, 1, 2), (3, 1, 3), (64, 1, 8), (8, 2, 4)])
+def test_default_ranks_are_what_the_cores_run_side_by_side(monkeypatch, cores, threads, expected):
+    """Without --nproc, one rank per usable core (per --threads cores), at least 2, at most 8: a newcomer's
+    first table is not 4 ranks crowded onto 2 cores."""
+    import seqpar.comm.launch as launch
+    from seqpar.bench.cli import build_parser, config_from_args
+
+    monkeypatch.setattr(launch, "usable_cores", lambda: cores)
+    parser = build_parser()
+    config = config_from_args(parser.parse_args(["--threads", str(threads)]), parser)
+    assert config["world_sizes"] == [expected]
+    explicit = config_from_args(parser.parse_args(["--nproc", "3,5"]), parser)
+    assert explicit["world_sizes"] == ["3", "5"]  # an explicit list is kept as given (validated later)
+
+
+def test_the_table_says_when_ranks_share_cores(monkeypatch):
+    import seqpar.comm.launch as launch
+    from seqpar.bench.cli import core_sharing_note
+
+    monkeypatch.setattr(launch, "usable_cores", lambda: 2)
+    rows = [{"world_size": 2}, {"world_size": 4}, {"world_size": 8}]
+    note = core_sharing_note(rows, threads=1)
+    assert "4, 8 ranks x 1 thread(s) share 2 usable core(s)" in note and "low by up to 4x" in note
+    assert "--nproc 2" in note
+    assert core_sharing_note([{"world_size": 2}], threads=1) is None  # a core per rank: nothing to say
+
+
+def test_a_first_bench_run_prints_no_library_warnings(tmp_path):
+    """What a new user sees from `seqpar bench` (default ranks, the peak-memory profile on): the table and
+    nothing of torch's profiler ("Memory block of unknown size ...", profiler start/stop lines)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    res = subprocess.run([sys.executable, "-m", "seqpar", "bench", "--methods", "ring,ulysses", "--seq-lens", "256",
+                          "--heads", "2", "--head-dim", "8", "--repeats", "1", "--no-progress"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ulysses" in res.stdout and "efficiency" in res.stdout
+    noise = [line for line in res.stderr.splitlines() if line.strip()]
+    assert not noise, "library output on stderr:\n" + "\n".join(noise[:10])
+
+
+def test_peak_memory_keeps_the_profilers_note_off_stderr():
+    """The CPU peak is a torch.profiler run; freeing a block allocated before it started makes torch's
+    allocator print "Memory block of unknown size ..." (every bench row frees its inputs' buffers). A
+    fresh process, since torch prints it once per process."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom seqpar.bench.memory import PeakMemory\nx = torch.empty(1 << 20)\n"
+            "with PeakMemory('cpu') as m:\n    del x\n    y = torch.ones(1 << 18)\nprint(m.peak)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert int(res.stdout.split()[-1]) == (1 << 18) * 4  # y, allocated inside: the peak counts it
+    assert "Memory block of unknown size" not in res.stderr and not res.stderr.strip(), res.stderr

@@ -16,8 +16,38 @@ _FLAG_KEYS = {  # argparse dest -> suite key
     "kv_heads": "kv_heads", "head_dim": "head_dim", "batch": "batch", "dtype": "dtypes", "repeats": "repeats",
     "warmup": "warmup", "threads": "threads", "seed": "seed", "emulate": "emulate",
 }
-_DEFAULTS = {"methods": "softmax", "seq_lens": "2k,4k", "world_sizes": "4", "causal": "yes", "heads": "8",
+_DEFAULTS = {"methods": "softmax", "seq_lens": "2k,4k", "causal": "yes", "heads": "8",
              "head_dim": "64", "batch": "1", "dtypes": "float32", "repeats": 3, "warmup": 1, "threads": 1, "seed": 0}
+
+
+MAX_DEFAULT_RANKS = 8  # more local ranks than this only add start-up time to a first look
+
+
+def default_world_size(threads: int = 1) -> int:
+    """The ranks ``seqpar bench`` spawns without ``--nproc``: as many as this machine runs side by side
+    (one per ``threads`` usable cores), at least 2 (a sequence-parallel run needs two ranks) and at
+    most :data:`MAX_DEFAULT_RANKS`."""
+    from seqpar.comm.launch import usable_cores
+
+    return max(2, min(MAX_DEFAULT_RANKS, usable_cores() // max(threads, 1)))
+
+
+def core_sharing_note(rows: list[dict], threads: int) -> str | None:
+    """A note when the ranks of a row had to share cores (None when every rank had its own): the
+    one-rank baseline runs alone, so the efficiency column then reads low by about the sharing factor."""
+    from seqpar.comm.launch import launched_by_torchrun, usable_cores
+
+    if launched_by_torchrun():
+        return None  # torchrun's ranks may be on other machines: their cores are not counted here
+    cores = usable_cores()
+    crowded = sorted({r["world_size"] for r in rows if r.get("world_size", 0) * threads > cores})
+    if not crowded:
+        return None
+    worst = max(crowded) * threads / cores
+    return (f"note: {', '.join(map(str, crowded))} ranks x {threads} thread(s) share {cores} usable core(s), while the "
+            f"1-rank baseline had its cores to itself; each rank ran at about 1/{worst:.3g} of the baseline's speed, "
+            f"so the efficiency column reads low by up to {worst:.3g}x. For efficiencies that mean something, use "
+            f"--nproc {max(2, cores // max(threads, 1))} or fewer here, or torchrun on machines with a core per rank.")
 
 
 def _csv(text: str) -> list[str]:
@@ -35,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "seqpar/bench/suite.py, examples in benchmarks/suites/. Flags given too override its keys")
     p.add_argument("--methods", help="names, or all | softmax | linear (default: softmax)")
     p.add_argument("--seq-lens", help="global lengths, e.g. 2k,8192 (default 2k,4k)")
-    p.add_argument("--nproc", "-n", help="world sizes N to spawn locally (default 4; WORLD_SIZE under torchrun)")
+    p.add_argument("--nproc", "-n", help="world sizes N to spawn locally (default: as many as the usable cores "
+                   "run side by side, 2 to 8; WORLD_SIZE under torchrun)")
     p.add_argument("--causal", choices=["yes", "no", "both"])
     p.add_argument("--heads", help="query heads Hq (list allowed; default 8)")
     p.add_argument("--kv-heads", help="K,V heads, e.g. 8,2 for MHA and GQA (default: = heads)")
@@ -90,6 +121,9 @@ def config_from_args(args, parser) -> dict:
             config[key] = _csv(value) if isinstance(value, str) else value
     from seqpar.comm.launch import launched_by_torchrun
 
+    if "world_sizes" not in config and "emulate" not in config:
+        threads = config.get("threads", 1)
+        config["world_sizes"] = [default_world_size(threads if isinstance(threads, int) else 1)]
     if launched_by_torchrun() and args.nproc is None and not args.suite:
         config["world_sizes"] = [int(os.environ["WORLD_SIZE"])]
     return config
@@ -124,6 +158,9 @@ def main(argv: list[str]) -> int:
 
     title = f"seqpar bench{' ' + str(config['name']) if config.get('name') else ''}"
     print_table(rows, title=title + (" --packed" if config.get("packed") else ""))
+    note = None if config.get("emulate") is not None else core_sharing_note(rows, config.get("threads", 1))
+    if note:
+        print(note)
     for path, write in ((args.json, write_json), (args.csv, write_csv)):
         if path:
             write(rows, path)

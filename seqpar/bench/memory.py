@@ -20,29 +20,42 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 
 import torch
 
 
+# What torch's profiler writes on its own while it records memory: its start and stop lines, and
+# the allocator's note when a block allocated before the profile is freed inside it (every input
+# and cached buffer is one). They say nothing about the run, so they are dropped from the output.
+_PROFILER_NOISE = ("Memory block of unknown size was allocated before the profiling started",
+                   "profiler_start", "profiler_stop", "ProfilerStart", "ProfilerStop")
+
+
 @contextlib.contextmanager
-def _quiet_native_stderr():
-    """Silence what C++ code writes to file descriptor 2 inside the block (the profiler logs a
-    'profiler_start' / 'profiler_stop' line per call, once per rank and row). Python exceptions
-    are unaffected; stderr is restored on exit."""
+def _native_stderr_without_profiler_noise():
+    """Hold back what C++ code writes to file descriptor 2 inside the block and write it out at the
+    end without the profiler's own lines (:data:`_PROFILER_NOISE`); anything else C++ printed is
+    kept. Python exceptions are unaffected; stderr is restored on exit."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
     except (OSError, ValueError, AttributeError):  # no real fd 2 (e.g. an embedded interpreter)
         yield
         return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not any(noise in line for noise in _PROFILER_NOISE)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 class PeakMemory:
@@ -53,6 +66,7 @@ class PeakMemory:
         self.device = torch.device(device)
         self.peak = 0
         self._prof = None
+        self._quiet = None
         self._start = 0
 
     def __enter__(self) -> "PeakMemory":
@@ -64,8 +78,13 @@ class PeakMemory:
             from torch.profiler import ProfilerActivity, profile
 
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            with _quiet_native_stderr():
+            self._quiet = _native_stderr_without_profiler_noise()
+            self._quiet.__enter__()  # the whole profiled block: the allocator's note comes mid-block
+            try:
                 self._prof.__enter__()
+            except BaseException:
+                self._quiet.__exit__(None, None, None)
+                raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -73,8 +92,10 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak = int(torch.cuda.max_memory_allocated(self.device) - self._start)
             return
-        with _quiet_native_stderr():
+        try:
             self._prof.__exit__(*exc)
+        finally:
+            self._quiet.__exit__(None, None, None)
         if exc[0] is None:
             self.peak = allocation_peak(self._prof)
 
