@@ -1,0 +1,167 @@
+"""Model folders in and out: load_folder's validation, load_sharded_weights into FSDP2 shards on 1, 2
+and 4 gloo ranks against transformers' own from_pretrained, and export_hf back to a folder that
+from_pretrained loads with the original names, shapes and ties.
+
+Loading and exporting copy values (with a cast only when dtypes differ, not here), so every
+comparison is exact: torch.equal, no tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from model_folders import llama_folder, windowed_folder  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from seqpar.integrations.train.model_io import (build_meta_model, export_hf, load_folder,  # noqa: E402
+                                                load_sharded_weights)
+from seqpar.testing import run_distributed  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _reference(path) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    out = dict(model.state_dict())
+    out.update({f"buffer:{k}": b for k, b in model.named_buffers()})
+    return out
+
+
+def _assert_same(model, ref: dict[str, torch.Tensor]) -> None:
+    state = model.state_dict()
+    assert set(state) == {k for k in ref if not k.startswith("buffer:")}
+    for name, value in state.items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        assert torch.equal(full, ref[name]), name
+    for name, buf in model.named_buffers():  # RoPE inv_freq: recomputed, not read from the file
+        assert torch.equal(buf, ref[f"buffer:{name}"]), name
+
+
+# ---------------------------------------------------------------- validation
+
+def test_load_folder_reads_config_tokenizer_and_weights(tmp_path):
+    folder = load_folder(llama_folder(tmp_path / "m", sharded=True))
+    assert folder.config.model_type == "llama" and folder.config.tie_word_embeddings
+    assert len(folder.tokenizer) == folder.config.vocab_size
+    assert "lm_head.weight" not in folder.weights and len(set(folder.weights.values())) > 1
+    bare = load_folder(llama_folder(tmp_path / "bare", tokenizer=False))
+    assert bare.tokenizer is None
+
+
+def test_load_folder_refuses_bad_folders(tmp_path):
+    path = llama_folder(tmp_path / "m")
+    with pytest.raises(ValueError, match="--model: .* is not a folder"):
+        load_folder(tmp_path / "absent")
+    (tmp_path / "noconfig").mkdir()
+    with pytest.raises(ValueError, match="--model: .* has no config.json"):
+        load_folder(tmp_path / "noconfig")
+    os.remove(path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"--model: .* has no weights \(model.safetensors"):
+        load_folder(path)
+    small = llama_folder(tmp_path / "small", vocab_size=100)  # the tokenizer has 320 tokens
+    with pytest.raises(ValueError, match="--model: the tokenizer .* 320 tokens .* 100 rows"):
+        load_folder(small)
+    sharded = llama_folder(tmp_path / "sharded", sharded=True)
+    os.remove(sharded / "model-00002-of-00006.safetensors")
+    with pytest.raises(ValueError, match="--model: .*index.json names shard files that are not there"):
+        load_folder(sharded)
+
+
+def test_pickled_weights_need_opt_in(tmp_path):
+    path = llama_folder(tmp_path / "m")
+    ref = _reference(path)
+    torch.save({k: v for k, v in ref.items() if not k.startswith("buffer:") and k != "lm_head.weight"},
+               path / "pytorch_model.bin")
+    os.remove(path / "model.safetensors")
+    with pytest.raises(ValueError, match="--model: .*pickled checkpoint .*--trust-pickle"):
+        load_folder(path)
+    folder = load_folder(path, trust_pickle=True)
+    assert folder.pickled
+    model = build_meta_model(folder.config)
+    load_sharded_weights(model, folder)
+    _assert_same(model, ref)
+
+
+def test_mismatched_config_is_refused(tmp_path):
+    path = llama_folder(tmp_path / "m")
+    folder = load_folder(path)
+    other = load_folder(llama_folder(tmp_path / "wide", hidden=48))
+    with pytest.raises(ValueError, match="--model: .* has shape .* expects"):
+        load_sharded_weights(build_meta_model(other.config), folder)
+
+
+# ---------------------------------------------------------------- one process, no FSDP
+
+@pytest.mark.parametrize("kind", ["tied", "untied_sharded", "windowed"])
+def test_meta_model_loads_like_from_pretrained(tmp_path, kind):
+    path = (windowed_folder(tmp_path / "m") if kind == "windowed"
+            else llama_folder(tmp_path / "m", tied=kind == "tied", sharded="sharded" in kind))
+    folder = load_folder(path)
+    model = build_meta_model(folder.config)
+    assert all(p.is_meta for p in model.parameters())
+    assert load_sharded_weights(model, folder) == []
+    _assert_same(model, _reference(path))
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (kind == "tied")
+    out = tmp_path / "export"
+    export_hf(model, out, config=folder.config, tokenizer=folder.tokenizer, max_shard_size="20KB")
+    _assert_same(AutoModelForCausalLM.from_pretrained(str(out)), _reference(path))
+
+
+# ---------------------------------------------------------------- FSDP2 on gloo ranks
+
+def _fsdp_load_and_export(path: str, out: str | None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    folder = load_folder(path)
+    model = build_meta_model(folder.config)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    load_sharded_weights(model, folder)
+    ref = _reference(path)
+    _assert_same(model, ref)
+    embed = model.model.embed_tokens.weight
+    assert isinstance(embed, DTensor) and embed.to_local().shape[0] == -(-embed.shape[0] // world)
+    tied = model.lm_head.weight is embed
+    if out is not None:
+        export_hf(model, out, config=folder.config, tokenizer=folder.tokenizer)
+    return tied
+
+
+@pytest.mark.parametrize("world,tied,sharded", [(1, False, True), pytest.param(2, True, False, marks=pytest.mark.slow),
+                                                 (4, True, True)])
+def test_fsdp_shards_load_and_export(tmp_path, world, tied, sharded):
+    path = llama_folder(tmp_path / "m", tied=tied, sharded=sharded)
+    out = tmp_path / "export" if world != 2 else None
+    assert run_distributed(_fsdp_load_and_export, world, str(path), out and str(out), timeout=240) == [tied] * world
+    if out is None:
+        return
+    exported = AutoModelForCausalLM.from_pretrained(str(out))
+    _assert_same(exported, _reference(path))
+    assert (exported.lm_head.weight is exported.model.embed_tokens.weight) == tied
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export.tmp")]
+
+
+def _export_into(out: str):
+    model = build_meta_model(load_folder(out + "/../m").config)
+    export_hf(model, out, config=model.config)
+
+
+def test_export_refuses_non_empty_folder_on_every_rank(tmp_path):
+    llama_folder(tmp_path / "m")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="--export-hf: .* exists and is not an empty folder"):
+        run_distributed(_export_into, 2, str(tmp_path / "out"), timeout=120)
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
