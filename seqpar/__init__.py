@@ -10,6 +10,7 @@ The map of the package (what each folder owns and may import) is docs/architectu
 
 from ._version import __version__
 from .comm import CommStats, PeerError, TokenRingGroups
+from .comm.usp_groups import USPGroups, make_usp_groups
 from .layouts import packed_layout, shard, unshard
 from .linear import linear_attention
 from .methods import LINEAR_METHODS, METHODS
@@ -19,4 +20,4 @@ from .tracing import Trace, trace
 
 __all__ = ["LINEAR_METHODS", "METHODS", "CommStats", "SequenceParallelAttention", "attention", "linear_attention",
            "shard", "unshard", "__version__", "checkpoint", "TokenRingGroups", "packed_layout", "PeerError",
-           "Trace", "trace"]
+           "Trace", "trace", "USPGroups", "make_usp_groups"]

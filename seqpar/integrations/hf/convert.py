@@ -34,6 +34,7 @@ import torch
 from ...comm import group_info
 from ...methods import method as declared
 from ...softmax import attention
+from . import cache_hooks
 
 __all__ = ["apply_context_parallel"]
 
@@ -78,6 +79,12 @@ def _make_attention(group, method: str, options: dict):
         refused = _refused(name, kwargs)
         if refused:
             raise ValueError(refused)
+        cache = kwargs.get("seqpar_cache")  # a ShardedCache: generate() (set by the hooks of cache_hooks.py)
+        if cache is not None:
+            q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+            out = cache.attend(module.layer_idx, q, k.to(q.dtype), v.to(q.dtype), scale=scaling, name=name,
+                               causal=bool(module.is_causal if is_causal is None else is_causal), **_layer_options(kwargs))
+            return out, None
         if query.shape[2] != key.shape[2]:
             raise ValueError(f"{name}: {query.shape[2]} queries against {key.shape[2]} keys: a KV cache is "
                              "not supported under context parallelism; call the model with use_cache=False")
@@ -197,7 +204,9 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
         model: a transformers ``PreTrainedModel`` (e.g. ``LlamaForCausalLM``, ``Qwen2ForCausalLM``),
             identical on every rank of ``group``.
         group: ProcessGroup or 1-D DeviceMesh of the context-parallel ranks (None = the default group;
-            a single device when torch.distributed is not initialised).
+            a single device when torch.distributed is not initialised). ``method="usp"`` also takes a
+            2-D mesh, a (ulysses, ring) pair or ``make_usp_groups(...)``; a plain group's subgroups are
+            built here, once (collective over the job; the group must then be the whole world).
         method: a softmax method of ``seqpar.METHODS``; shard the inputs with the same method.
         **options: passed on to every ``seqpar.attention`` call (``backend``, ``stats``,
             ``grad_comm_dtype``).
@@ -219,7 +228,10 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
     if not hasattr(model, "config") or not isinstance(model, torch.nn.Module):
         raise ValueError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
     declared(method, kind="softmax")
-    group_info(group)  # validates the type now, not inside the first forward
+    if method == "usp":  # the Ulysses and ring subgroups, built once here, not in every attention call
+        group = _usp_groups(group, options.get("ulysses_degree"))
+    else:
+        group_info(group)  # validates the type now, not inside the first forward
     allowed = _attention_options()
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -233,6 +245,7 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
         _check_dispatch(model, attention_modules)
         _interface().register(name, _make_attention(group, method, dict(options)))
         _set_implementation(model, name)
+        cache_hooks.install(model, layers_name, group, method, options)  # generate() on a ShardedCache
     except Exception:
         if previous is not None and getattr(model.config, "_attn_implementation", None) != previous:
             _set_implementation(model, previous)
@@ -240,12 +253,23 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
     return model
 
 
+def _usp_groups(group, ulysses_degree):
+    """USP's groups of ``group``: a 2-D mesh, a pair or a ``USPGroups`` as given; a plain group or a
+    1-D mesh through ``make_usp_groups`` (collective over the job when it creates subgroups)."""
+    from ...comm.groups import _is_device_mesh
+    from ...comm.usp_groups import make_usp_groups
+
+    if _is_device_mesh(group) and group.ndim == 1:
+        group = group.get_group()
+    return make_usp_groups(group, ulysses_degree)
+
+
 def _registration_name(group, method: str, options: dict) -> str:
     """The ``AttentionInterface`` name of one (group, method, options): equal arguments give the same
     name, so applying the same context parallelism again (every model of a run, every layer type)
     overwrites one registration instead of adding one per call."""
-    info = group_info(group)
+    infos = [group.ulysses, group.ring] if method == "usp" else [group_info(group)]
     plain = (str, int, float, bool, type(None))
     opts = sorted((k, v if isinstance(v, plain) else f"object {id(v)}") for k, v in options.items())
-    key = repr((method, info.global_ranks, id(info.group), opts))
+    key = repr((method, [(i.global_ranks, id(i.group)) for i in infos], opts))
     return f"seqpar_cp_{method}_{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
