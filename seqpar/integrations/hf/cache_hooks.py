@@ -1,0 +1,189 @@
+"""The forward hooks that let ``generate()`` run a converted model on a :class:`~.cache.ShardedCache`.
+
+:func:`install` puts them on a model in :func:`~.convert.apply_context_parallel`; they do nothing
+unless the forward receives a ``ShardedCache`` (as ``cache`` or ``past_key_values``).
+
+Before the decoder model's forward (``model.model`` of a ``*ForCausalLM``) on a ShardedCache:
+check the call (no padding mask, no gradients, the cache's group is the model's, every rank the same
+tokens), then for a prefill (more than one new token) replace ``input_ids`` / ``inputs_embeds``
+``[B, T_new]`` and ``position_ids`` by this rank's rows, padded at the end to the layout's multiple:
+the method's layout on an empty cache, zigzag over a cached prefix; a decode step (one new token)
+runs on every rank alike. The attention layers find the cache in the forward's kwargs
+(``seqpar_cache``). After it: gather the hidden rows the LM head needs (the last ``logits_to_keep``
+new tokens; every new token when 0) onto every rank with one all-reduce of this rank's rows, and let
+the cache finish the step. Under a sharded prefill, ``last_hidden_state`` therefore holds the last
+``logits_to_keep`` rows only (what a ``*ForCausalLM`` slices anyway), and ``hidden_states`` (when
+requested) every new row.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ...comm import all_reduce_
+from ...layouts import Zigzag, placement
+from .cache import ShardedCache, Step
+
+__all__ = ["install"]
+
+_HANDLES = "_seqpar_cache_hooks"
+
+
+def install(model, layers_name: str, group, method: str, options: dict) -> None:
+    """Put the hooks on ``model`` (replacing those of an earlier conversion)."""
+    for handle in getattr(model, _HANDLES, ()):
+        handle.remove()
+    base_name = layers_name.rpartition(".")[0]
+    base = model.get_submodule(base_name) if base_name else model
+    binding = (group, method, dict(options))
+    handles = [base.register_forward_pre_hook(_pre_hook(binding, base), with_kwargs=True),
+               base.register_forward_hook(_post_hook, with_kwargs=True)]
+    if base is not model and "logits_to_keep" in inspect.signature(model.forward).parameters:
+        handles.append(model.register_forward_pre_hook(_keep_hook, with_kwargs=True))
+    object.__setattr__(model, _HANDLES, handles)
+
+
+def _cache_of(kwargs: dict):
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
+
+
+def _keep_hook(module, args, kwargs):
+    """On the ``*ForCausalLM``: pass ``logits_to_keep`` down to the decoder model's hook."""
+    if isinstance(_cache_of(kwargs), ShardedCache):
+        keep = kwargs.get("logits_to_keep", 0)
+        kwargs["seqpar_keep"] = keep if isinstance(keep, int) else 0
+    return args, kwargs
+
+
+def _pre_hook(binding, base):
+    signature = inspect.signature(base.forward)
+
+    def hook(module, args, kwargs):
+        keep = kwargs.pop("seqpar_keep", 0)
+        cache = _cache_of(kwargs)
+        if cache is None and args:
+            bound = signature.bind_partial(*args, **kwargs)
+            cache = _cache_of(bound.arguments)
+        if cache is None:
+            return args, kwargs
+        if not isinstance(cache, ShardedCache):
+            raise ValueError(
+                f"past_key_values: a context-parallel model keeps its K,V in a ShardedCache, got {type(cache).__name__}; "
+                "pass past_key_values=ShardedCache(group=...) to generate() (the group given to apply_context_parallel), "
+                "or call the model with use_cache=False")
+        if args:  # everything by name from here on
+            kwargs = dict(signature.bind_partial(*args, **kwargs).arguments)
+            kwargs.update(kwargs.pop("kwargs", {}))
+            args = ()
+        _prepare(cache, binding, kwargs, keep)
+        return args, kwargs
+
+    return hook
+
+
+def _check_call(cache: ShardedCache, kwargs: dict, x: torch.Tensor) -> None:
+    """Local checks (no communication): the same verdict on every rank given the same call."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.bool().all())):
+        raise ValueError(
+            "attention_mask: a padding mask (zeros in it) or a 4-D mask cannot be applied by context-parallel "
+            "generation: ShardedCache needs batch rows of equal length; generate each prompt length as its own batch "
+            "(or pass no attention_mask)")
+    if torch.is_grad_enabled():
+        raise ValueError("ShardedCache is for inference: call generate() (it disables gradients) or run the forward "
+                         "under torch.no_grad() / torch.inference_mode()")
+    if kwargs.get("output_attentions"):
+        raise ValueError("output_attentions: context-parallel attention computes no attention weights; "
+                         "pass output_attentions=False")
+    if x.dim() < 2 or x.shape[1] == 0:
+        raise ValueError(f"input_ids: expected [B, T] with T >= 1 new tokens, got shape {tuple(x.shape)}")
+
+
+def _agree(cache: ShardedCache, x: torch.Tensor) -> None:
+    """One all-reduce (max of x and of -x): every rank must pass the same tokens."""
+    flat = x.detach().reshape(-1).to(torch.float64)
+    both = torch.cat([flat, -flat])
+    all_reduce_(cache.info, both, op=torch.distributed.ReduceOp.MAX, name="check_tokens")
+    if not torch.equal(both[:flat.numel()], -both[flat.numel():]):
+        raise ValueError(
+            "input_ids: the ranks passed different tokens to a context-parallel forward (with sampling: seed every "
+            "rank the same, e.g. torch.manual_seed(seed) before generate(), so every rank draws the same tokens)")
+
+
+def _prepare(cache: ShardedCache, binding, kwargs: dict, keep: int) -> None:
+    group, method, options = binding
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    x = ids if ids is not None else embeds
+    if x is None:
+        raise ValueError("input_ids: a forward on a ShardedCache needs input_ids or inputs_embeds")
+    _check_call(cache, kwargs, x)
+    cache.bind(group, method, options)
+    if cache.check_tokens and not cache.info.single and x.shape[1] > 0:
+        cache.stats.phase = "prefill" if x.shape[1] > 1 else "decode"
+        _agree(cache, x)
+    past, new = cache.length, x.shape[1]
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(past, past + new, device=x.device)[None]
+    kwargs["attention_mask"] = None
+    kwargs["seqpar_cache"] = cache
+    if new == 1:
+        cache.step = Step(past=past, new=new, sharded=False, positions=[past], keep=keep)
+        kwargs["position_ids"] = position_ids
+        return
+    n, rank = cache.info.size, cache.info.rank
+    if past == 0:
+        place = placement(method, group, ulysses_degree=options.get("ulysses_degree"),
+                          ring_method_name=options.get("ring_method"))
+        multiple = place.layout.multiple(n)
+        t_pad = -(-new // multiple) * multiple
+        local = place.shard(torch.arange(t_pad)[None], dim=1)[0].tolist()
+        members = None
+    else:
+        layout = Zigzag()
+        t_pad = -(-new // layout.multiple(n)) * layout.multiple(n)
+        members = [layout.positions(t_pad, n, m) for m in range(n)]
+        local = members[rank]
+        members = [[past + i for i in m] for m in members]
+    index = torch.tensor(local, dtype=torch.int64, device=x.device)
+    real = index.clamp(max=new - 1)
+    if ids is not None:
+        kwargs["input_ids"] = ids.index_select(1, real)
+    else:
+        kwargs["inputs_embeds"] = embeds.index_select(1, real)
+    pos = position_ids.index_select(-1, real)
+    kwargs["position_ids"] = torch.where(index < new, pos, pos + (index - real))  # padding rows: past the end
+    cache.step = Step(past=past, new=new, sharded=True, positions=[past + i for i in local],
+                      member_positions=members, keep=keep)
+
+
+def _gather_rows(cache: ShardedCache, step: Step, x: torch.Tensor, first: int) -> torch.Tensor:
+    """Rows ``first .. new - 1`` (new-token order) of the sharded ``x`` ``[B, T_local, ...]`` on every
+    rank: each rank writes its rows into zeros, one all-reduce sums them (exact: one non-zero term)."""
+    out = x.new_zeros((x.shape[0], step.new - first, *x.shape[2:]))
+    rows = [(i, p - step.past - first) for i, p in enumerate(step.positions) if first <= p - step.past < step.new]
+    if rows:
+        src = torch.tensor([r[0] for r in rows], device=x.device)
+        dst = torch.tensor([r[1] for r in rows], device=x.device)
+        out.index_copy_(1, dst, x.index_select(1, src))
+    cache.stats.phase = "prefill"
+    return all_reduce_(cache.info, out, stats=cache.stats, name="prefill_hidden_rows")
+
+
+def _post_hook(module, args, kwargs, output):
+    cache = kwargs.get("seqpar_cache")
+    if not isinstance(cache, ShardedCache) or cache.step is None:
+        return output
+    step = cache.step
+    try:
+        if step.sharded:
+            first = max(0, step.new - step.keep) if step.keep > 0 else 0
+            output.last_hidden_state = _gather_rows(cache, step, output.last_hidden_state, first)
+            if getattr(output, "hidden_states", None) is not None:
+                output.hidden_states = tuple(_gather_rows(cache, step, h, 0) for h in output.hidden_states)
+    finally:
+        cache.finish()
+    return output

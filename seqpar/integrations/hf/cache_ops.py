@@ -1,0 +1,183 @@
+"""The attention of :class:`~seqpar.integrations.hf.ShardedCache` beyond a fresh prefill: queries
+against K,V that lie sharded over the ranks, each slot tagged with its global position.
+
+Every path is seqpar's block kernel with log-sum-exp (:func:`seqpar.kernels.block_forward_into`)
+on this rank's slots, and the exact merge of partial results in fp32:
+
+- :func:`local_partial`: queries (contiguous runs of global positions) against this rank's slots,
+  causal in global order, optionally a sliding window; slots every query sees go in one ``"none"``
+  block, the rest in contiguous runs with their :class:`~seqpar.kernels.Band`.
+- :func:`combine_replicated`: the decode combine. Every rank holds the same queries and a partial
+  ``(out, lse)`` over its slots; ``"allgather"`` gathers all partials in one all-gather and merges
+  them in rank order; ``"tree"`` all-reduces the max of lse, then the sums of ``exp(lse - max)·out``
+  and ``exp(lse - max)`` in one all-reduce (tree attention). Both give every rank the same bytes.
+- :func:`pass_q`: prefill over a cached prefix, query passing: all-gather the new queries, each
+  rank attends all of them to its slots, one all-to-all returns each partial to its queries' rank.
+- :func:`pass_kv`: prefill over a cached prefix, K,V passing: each rank's slots go once around the
+  ring (N - 1 exchanges, overlapped with the block attention of the block in hand).
+
+Shapes: queries ``[B, Tq, Hq, D]``; slots ``k``, ``v`` ``[B, S, Hkv, D]`` with positions ``[S]``
+(int64 on the host, increasing); results ``out [B, Tq, Hq, D]`` and ``lse [B, Hq, Tq]`` in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...comm import all_gather_stack, all_reduce_, all_to_all
+from ...comm.p2p import exchange
+from ...kernels import Band, block_forward_into, merge_, new_accumulator
+
+__all__ = ["choose_combine", "choose_prefill", "combine_replicated", "local_partial", "pass_kv", "pass_q",
+           "query_runs"]
+
+
+def query_runs(positions: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive positions as ``(first_row, length, first_position)``."""
+    runs: list[list[int]] = []
+    for row, p in enumerate(positions):
+        if runs and p == runs[-1][2] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([row, 1, p])
+    return [tuple(r) for r in runs]
+
+
+def _key_runs(pos: torch.Tensor, idx: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Runs of consecutive positions among the slots ``idx`` (host int64): ``(slot, length, position)``."""
+    if idx.numel() == 0:
+        return []
+    p = pos[idx]
+    breaks = torch.nonzero((p[1:] - p[:-1] != 1) | (idx[1:] - idx[:-1] != 1)).flatten() + 1
+    starts = [0] + breaks.tolist()
+    ends = breaks.tolist() + [idx.numel()]
+    return [(int(idx[s]), e - s, int(p[s])) for s, e in zip(starts, ends)]
+
+
+def local_partial(q, runs, k, v, pos, *, scale: float, window: int | None, backend=None,
+                  acc=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the query rows ``runs`` (``(row, length, position)``) of ``q`` to the slots
+    ``k``, ``v`` at host positions ``pos``, causal in global order (query p sees slot p' <= p, and
+    p' > p - window with a window); merged into ``acc`` (fp32 ``(out, lse)``, new when None)."""
+    out, lse = acc if acc is not None else new_accumulator(q.shape, q.device)
+    if pos.numel() == 0:
+        return out, lse
+    for row, length, first in runs:
+        last = first + length - 1
+        qr, ao, al = q[:, row:row + length], out[:, row:row + length], lse[:, :, row:row + length]
+        seen_all = pos <= first
+        seen_any = pos <= last
+        if window is not None:
+            seen_all &= pos >= last - window + 1
+            seen_any &= pos >= first - window + 1
+        if bool(seen_all.all()):
+            block_forward_into(ao, al, qr, k, v, scale=scale, mask="none", backend=backend)
+            continue
+        full = torch.nonzero(seen_all).flatten()
+        if full.numel():
+            sel = full.to(k.device)
+            block_forward_into(ao, al, qr, k.index_select(1, sel), v.index_select(1, sel), scale=scale,
+                               mask="none", backend=backend)
+        for slot, n, p0 in _key_runs(pos, torch.nonzero(seen_any & ~seen_all).flatten()):
+            # query i (position first + i) sees key j (position p0 + j) iff first - p0 - (W-1) <= j - i <= first - p0
+            lo = None if window is None else first - p0 - (window - 1)
+            block_forward_into(ao, al, qr, k[:, slot:slot + n], v[:, slot:slot + n], scale=scale,
+                               mask=Band(lo, first - p0), backend=backend)
+    return out, lse
+
+
+def _pack(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H, D + 1]`` fp32: out with lse as its last channel (one message for both)."""
+    return torch.cat([out.float(), lse.float().transpose(1, 2).unsqueeze(-1)], dim=-1)
+
+
+def _unpack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x[..., :-1], x[..., -1].transpose(1, 2).contiguous()
+
+
+def _merge_all(parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``[N, B, T, H, D + 1]`` packed partials in member order (the same order on every rank)."""
+    out, lse = new_accumulator(parts.shape[1:-1] + (parts.shape[-1] - 1,), parts.device)
+    for part in parts:
+        merge_(out, lse, *_unpack(part))
+    return out, lse
+
+
+def combine_replicated(info, out, lse, mode: str, *, stats=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact combine of every rank's partial ``(out, lse)`` of the same query rows (fp32 results,
+    the same bytes on every rank). ``mode``: ``"allgather"`` or ``"tree"`` (module docstring)."""
+    if info.single:
+        return out.float(), lse.float()
+    if mode == "allgather":
+        return _merge_all(all_gather_stack(info, _pack(out, lse), stats=stats, name="decode_all_gather"))
+    top = lse.float().clone()
+    all_reduce_(info, top, op=torch.distributed.ReduceOp.MAX, stats=stats, name="decode_tree_max")
+    unseen = torch.isneginf(top)  # no rank has a key for the row
+    w = torch.where(unseen | torch.isneginf(lse), 0.0, torch.exp(lse.float() - torch.where(unseen, 0.0, top)))
+    sums = _pack(out.float() * w.transpose(1, 2).unsqueeze(-1), w)
+    all_reduce_(info, sums, stats=stats, name="decode_tree_sum")
+    num, den = _unpack(sums)
+    safe = torch.where(den > 0, den, 1.0)
+    merged = torch.where((den > 0).transpose(1, 2).unsqueeze(-1), num / safe.transpose(1, 2).unsqueeze(-1), 0.0)
+    return merged, torch.where(den > 0, top + torch.log(safe), float("-inf"))
+
+
+def pass_q(info, q, member_runs, k, v, pos, *, scale, window, backend=None, stats=None):
+    """Prefill over a cached prefix by passing queries: ``q`` is this rank's ``[B, T_local, Hq, D]``
+    (every rank the same T_local), ``member_runs[m]`` the query runs of member m. Returns this
+    rank's rows merged over every rank's slots (fp32 out, lse)."""
+    gathered = all_gather_stack(info, q, stats=stats, name="prefill_q_all_gather")
+    parts = torch.stack([_pack(*local_partial(gathered[m], member_runs[m], k, v, pos, scale=scale,
+                                              window=window, backend=backend)) for m in range(info.size)])
+    received = all_to_all(info, parts, stats=stats, name="prefill_partials_all_to_all")
+    return _merge_all(received)
+
+
+def pass_kv(info, q, runs, k, v, pos, *, scale, window, backend=None, stats=None):
+    """Prefill over a cached prefix by passing K,V: this rank's slots (``k``, ``v``, host ``pos``)
+    travel once around the ring while each rank attends its query ``runs`` to every block in turn.
+    Block sizes differ per rank: one all-gather of the sizes first. Returns fp32 (out, lse)."""
+    acc = new_accumulator(q.shape, q.device)
+    if info.single:
+        return local_partial(q, runs, k, v, pos, scale=scale, window=window, backend=backend, acc=acc)
+    size = torch.tensor([pos.numel()], dtype=torch.int64, device=k.device)
+    sizes = all_gather_stack(info, size, stats=stats, name="prefill_kv_sizes").flatten().tolist()
+    block = (k.contiguous(), v.contiguous(), pos.to(k.device))
+    for step in range(info.size):
+        pending = None
+        if step < info.size - 1:
+            src_send, src_recv = (info.rank - step) % info.size, (info.rank - step - 1) % info.size
+            bufs = [torch.empty((k.shape[0], sizes[src_recv], *k.shape[2:]), dtype=k.dtype, device=k.device),
+                    torch.empty((v.shape[0], sizes[src_recv], *v.shape[2:]), dtype=v.dtype, device=v.device),
+                    torch.empty((sizes[src_recv],), dtype=torch.int64, device=k.device)]
+            sends = [(t, 1, tag) for tag, t in enumerate(block)] if sizes[src_send] else []
+            recvs = [(b, -1, tag) for tag, b in enumerate(bufs)] if sizes[src_recv] else []
+            pending = exchange(info, sends, recvs, stats=stats, name="prefill_kv_ring")
+        local_partial(q, runs, block[0], block[1], block[2].cpu(), scale=scale, window=window, backend=backend,
+                      acc=acc)
+        if pending is not None:
+            pending.wait()
+            block = tuple(bufs)
+    return acc
+
+
+def choose_prefill(new: int, past: int, hq: int, hkv: int, n: int, *, flops: float, bandwidth: float,
+                   itemsize: int) -> str:
+    """``"pass_kv"`` or ``"pass_q"`` for ``new`` tokens over a ``past``-token cache (Meta's rule).
+
+    K,V passing sends every slot once around the ring: ``(past + new)·2·Hkv`` head-rows; query
+    passing sends the new queries and their partial outputs: about ``new·Hq`` head-rows each way.
+    So query passing moves fewer bytes when ``new / (past + new) < 2·Hkv / Hq``. K,V passing is
+    still as fast when each ring step's block attention hides its transfer: a step computes
+    ``4·(new/N)·((past+new)/N)·Hq·D`` flops while ``((past+new)/N)·2·Hkv·D·itemsize`` bytes move,
+    hidden when ``new >= N·flops·Hkv·itemsize / (2·Hq·bandwidth)`` (``flops`` per second of the
+    block kernel, ``bandwidth`` bytes per second of one link)."""
+    if new >= n * flops * hkv * itemsize / (2.0 * hq * bandwidth):
+        return "pass_kv"
+    return "pass_kv" if new / max(1, past + new) >= 2.0 * hkv / hq else "pass_q"
+
+
+def choose_combine(n: int, partial_bytes: int, threshold: int) -> str:
+    """``"allgather"`` (one collective, (N-1)·partial bytes received) while the gathered partials
+    stay under ``threshold`` bytes, else ``"tree"`` (two all-reduces, ~2·partial bytes each)."""
+    return "allgather" if n * partial_bytes <= threshold else "tree"

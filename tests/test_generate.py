@@ -1,0 +1,208 @@
+"""Context-parallel inference: ``generate()`` with :class:`ShardedCache` equals single-process
+``generate()`` with transformers' default cache.
+
+Models: real-format folders from tests/model_folders.py (a Llama with GQA, 4 query heads over 2 KV
+heads; a gpt-oss with sliding-window layers alternating with full ones, and sinks on every layer).
+Each rank loads the folder, converts its copy and generates from the whole prompt; the reference is
+the unconverted model in the same process. Compared, in fp32: the tokens (equal) and every step's
+logits. The context-parallel run changes only the order of the softmax sums (blockwise, running
+max, fp32 merge) and of the hidden-row gather (a sum with one non-zero term: exact); through two
+layers and the LM head that is ~1e-6 of the largest logit (measured up to 1.5e-6 at N = 4), so 1e-4
+relative leaves room while a lost slot, a wrong position or a wrong window moves logits by 1e-2 or
+more. The prompt (13 tokens) is not a multiple of 2N for N = 2, 3, 4; a second turn (7 more
+tokens, then decoding) runs on the same cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from model_folders import llama_folder, windowed_folder  # noqa: E402
+
+from seqpar.comm import CommStats  # noqa: E402
+from seqpar.integrations.hf import ShardedCache, apply_context_parallel  # noqa: E402
+from seqpar.integrations.hf.cache_ops import choose_combine, choose_prefill  # noqa: E402
+from seqpar.testing import run_distributed  # noqa: E402
+
+REL_TOL = 1e-4  # see the module docstring: measured <= 1.5e-6
+PROMPT, TURN, NEW = 13, 7, 6
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate_models")
+    return {"llama": str(llama_folder(root / "llama")), "windowed": str(windowed_folder(root / "windowed"))}
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _prompts(vocab: int, batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    # ids from 4 on: the folders' special tokens (<bos>, <eos>, <pad>, <unk>) are 0-3, and a <pad> in
+    # the prompt would make generate() build a padding mask
+    return torch.randint(4, vocab, (batch, PROMPT), generator=g), torch.randint(4, vocab, (batch, TURN), generator=g)
+
+
+def _relative(a, b) -> float:
+    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
+
+
+def _kv_bytes(cache) -> int:
+    return sum(layer.keys.numel() * 4 + layer.values.numel() * 4 for layer in cache.layers)
+
+
+def _two_turns(path, method, prefill, combine, batch, seed):
+    """Greedy generate, then a second turn on the same cache; against the unconverted model."""
+    ref, model = _load(path), _load(path)
+    first, more = _prompts(ref.config.vocab_size, batch, seed)
+    kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, output_scores=True,
+              return_dict_in_generate=True, pad_token_id=ref.config.pad_token_id)
+    r1 = ref.generate(first, **kw)
+    apply_context_parallel(model, method=method)
+    cache = ShardedCache(prefill=prefill, decode_combine=combine, stats=CommStats())
+    o1 = model.generate(first, cache=cache, **kw)
+    ref_bytes, cp_bytes = _kv_bytes(r1.cache), cache.kv_bytes()
+    r2 = ref.generate(torch.cat([r1.sequences, more], 1), cache=r1.cache, **kw)
+    o2 = model.generate(torch.cat([o1.sequences, more], 1), cache=cache, **kw)
+    return {"tokens": torch.equal(o1.sequences, r1.sequences) and torch.equal(o2.sequences, r2.sequences),
+            "logits": _relative(o1.logits + o2.logits, r1.logits + r2.logits),
+            "scores": _relative(o1.scores + o2.scores, r1.scores + r2.scores),
+            "history": [(h["phase"], h["prefill"], h["combine"]) for h in cache.history],
+            "ref_bytes": ref_bytes, "cp_bytes": cp_bytes, "comm": cache.comm_summary(),
+            "per_token_bytes": 2 * ref.config.num_hidden_layers * batch * ref.config.num_key_value_heads
+            * ref.config.head_dim * 4, "sequence": o2.sequences}
+
+
+def _cases(cases):
+    return [_two_turns(*case) for case in cases]
+
+
+# (folder, method, prefill, decode combine, batch, seed): every prefill choice, both combines,
+# windows + sinks, batch 2, and both automatic choices
+CASES_2 = [("llama", "zigzag_ring", "pass_kv", "allgather", 1, 0), ("llama", "ring", "pass_q", "tree", 2, 1),
+           ("windowed", "striped_ring", "pass_q", "allgather", 1, 2),
+           ("windowed", "zigzag_ring", "pass_kv", "tree", 1, 3), ("llama", "token_ring", "auto", "auto", 1, 4)]
+CASES_3 = [("llama", "zigzag_ring", "pass_q", "tree", 1, 5), ("windowed", "allgather_kv", "pass_kv", "allgather", 1, 6)]
+CASES_4 = CASES_2 + [("windowed", "lightseq", "pass_q", "tree", 2, 7), ("llama", "ulysses", "pass_kv", "tree", 1, 8)]
+
+
+def _check(results, cases, n):
+    for case, per_rank in zip(cases, zip(*results)):
+        for rank, got in enumerate(per_rank):
+            assert got["tokens"], (case, rank)
+            assert got["logits"] <= REL_TOL and got["scores"] <= REL_TOL, (case, rank, got["logits"])
+            assert torch.equal(got["sequence"], per_rank[0]["sequence"])  # every rank the same
+        phases = per_rank[0]["history"]
+        assert phases[0] == ("prefill", "method", None)
+        prefill, combine = case[2], case[3]
+        turn2 = next(h for h in phases[1:] if h[0] == "prefill")
+        decodes = {h[2] for h in phases if h[0] == "decode"}
+        if prefill != "auto":
+            assert turn2[1] == prefill and decodes == {combine}, (case, phases)
+        else:  # the rule's own choices for this shape (GQA 4/2; partials far below the threshold)
+            assert turn2[1] == choose_prefill(TURN, PROMPT + NEW - 1 + NEW, 4, 2, n, flops=4e14, bandwidth=5e10,
+                                              itemsize=4)
+            assert decodes == {"allgather"}
+        if case[0] == "llama":  # 1/N of the single-device cache, up to one layout pad per rank
+            total = sum(r["cp_bytes"] for r in per_rank)
+            assert total == per_rank[0]["ref_bytes"], case
+            per_token = per_rank[0]["per_token_bytes"]
+            assert max(r["cp_bytes"] for r in per_rank) <= total / n + 2 * per_token, case
+        comm = per_rank[0]["comm"]
+        assert comm["prefill_bytes"] > 0 and comm["decode_bytes_per_token"] > 0
+
+
+def test_generate_matches_single_process_n2(folders):
+    cases = [(folders[c[0]], *c[1:]) for c in CASES_2]
+    _check(run_distributed(_cases, 2, cases, timeout=300), CASES_2, 2)
+
+
+def test_generate_matches_single_process_n3(folders):
+    cases = [(folders[c[0]], *c[1:]) for c in CASES_3]
+    _check(run_distributed(_cases, 3, cases, timeout=300), CASES_3, 3)
+
+
+@pytest.mark.slow
+def test_generate_matches_single_process_n4(folders):
+    cases = [(folders[c[0]], *c[1:]) for c in CASES_4]
+    _check(run_distributed(_cases, 4, cases, timeout=600), CASES_4, 4)
+
+
+def _sampling(path, seed_per_rank):
+    ref, model = _load(path), _load(path)
+    first, _ = _prompts(ref.config.vocab_size, 1, 11)
+    kw = dict(max_new_tokens=8, do_sample=True, temperature=0.9, top_p=0.95, pad_token_id=ref.config.pad_token_id)
+    torch.manual_seed(7)
+    expected = ref.generate(first, **kw)
+    apply_context_parallel(model, method="zigzag_ring")
+    torch.manual_seed(7 + (dist.get_rank() if seed_per_rank else 0))
+    try:
+        return torch.equal(model.generate(first, cache=ShardedCache(), **kw), expected)
+    except ValueError as exc:
+        return str(exc)
+
+
+def _bad_inputs(path):
+    """Each bad call, on every rank; returns the message each raised (None: it did not raise)."""
+    from transformers import DynamicCache
+
+    model = _load(path)
+    plain = _load(path)
+    ids, _ = _prompts(model.config.vocab_size, 2, 12)
+    apply_context_parallel(model, method="zigzag_ring")
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    other = dist.new_group(list(range(dist.get_world_size())))
+    calls = {
+        "padding mask": lambda: model.generate(ids, attention_mask=padded, cache=ShardedCache(), max_new_tokens=2),
+        "other group": lambda: model.generate(ids, cache=ShardedCache(group=other), max_new_tokens=2),
+        "not converted": lambda: plain.generate(ids, cache=ShardedCache(), max_new_tokens=2),
+        "default cache": lambda: model.generate(ids, cache=DynamicCache(), max_new_tokens=2),
+        "gradients": lambda: model(ids, cache=ShardedCache()),
+        "bad choice": lambda: ShardedCache(prefill="ring"),
+    }
+    got = {}
+    for name, call in calls.items():
+        try:
+            call()
+            got[name] = None
+        except ValueError as exc:
+            got[name] = str(exc)
+    got["still works"] = model.generate(ids, cache=ShardedCache(), max_new_tokens=2, do_sample=False,
+                                        pad_token_id=model.config.pad_token_id).shape[1] == PROMPT + 2
+    return got
+
+
+def test_sampling_same_tokens_on_every_rank(folders):
+    assert run_distributed(_sampling, 2, folders["llama"], False, timeout=120) == [True, True]
+    # different seeds per rank: every rank stops with the same clear error instead of diverging
+    for message in run_distributed(_sampling, 2, folders["llama"], True, timeout=120):
+        assert isinstance(message, str) and "seed every rank the same" in message
+
+
+def test_bad_input_raises_on_every_rank(folders):
+    expected = {"padding mask": "attention_mask", "other group": "one ShardedCache per group",
+                "not converted": "apply_context_parallel", "default cache": "ShardedCache(group=...)",
+                "gradients": "for inference", "bad choice": "prefill='ring'"}
+    for got in run_distributed(_bad_inputs, 2, folders["llama"], timeout=180):
+        for name, fragment in expected.items():
+            assert got[name] is not None and fragment in got[name], (name, got[name])
+        assert got["still works"]
+
+
+def test_rules():
+    # Meta's rule: a fresh-ish prompt (new/total above 2*Hkv/Hq) passes K,V; a short turn over a long
+    # cache passes queries, unless the turn is long enough for the ring's compute to hide the K,V
+    assert choose_prefill(1000, 1000, 32, 8, 4, flops=1e18, bandwidth=1.0, itemsize=2) == "pass_kv"
+    assert choose_prefill(100, 100000, 32, 8, 4, flops=1e18, bandwidth=1.0, itemsize=2) == "pass_q"
+    assert choose_prefill(100, 100000, 32, 8, 4, flops=1.0, bandwidth=1e18, itemsize=2) == "pass_kv"
+    assert choose_combine(4, 1000, 1 << 16) == "allgather"
+    assert choose_combine(64, 10000, 1 << 16) == "tree"
