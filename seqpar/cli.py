@@ -1,4 +1,4 @@
-"""The ``seqpar`` command: ``bench``, ``plan``, ``train``, ``calibrate``, ``simulate``."""
+"""The ``seqpar`` command: ``bench``, ``plan``, ``train``, ``calibrate``, ``simulate``, ``memory``."""
 
 from __future__ import annotations
 
@@ -30,14 +30,27 @@ def simulate_main(argv: list[str]) -> int:
     return run(argv)
 
 
+def memory_main(argv: list[str]) -> int:
+    from seqpar.bench.memory_cli import main as run
+
+    return run(argv)
+
+
 def train_main(argv: list[str]) -> int:
     from seqpar.integrations.train import main as run
 
     return run(argv)
 
 
+def generate_main(argv: list[str]) -> int:
+    from seqpar.integrations.generate import generate_main as run
+
+    return run(argv)
+
+
 COMMANDS = {"bench": bench_main, "plan": plan_main, "train": train_main, "calibrate": calibrate_main,
-            "simulate": simulate_main}
+            "simulate": simulate_main, "memory": memory_main,
+            "generate": generate_main}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
               "  bench      time every method against the ideal (default: a local CPU rank per core, 2-8)\n"
               "  plan       plan SP groups for a batch of sequence lengths (adaptive scheduler)\n"
               "  train      train a transformers Llama with --context-parallel N on packed text\n"
+              "  generate   generate from a long prompt: context-parallel prefill, decoding over a sharded KV cache\n"
               "  calibrate  measure the cost model on this machine (CPU ranks or torchrun GPUs) to JSON\n"
               "  simulate   replay every method's traced schedule on a machine model (8..1024 GPUs)\n"
+              "  memory     predict each rank's peak memory for training; what fits a device\n"
               "run 'seqpar COMMAND --help' for the options of a command")
         return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
     return COMMANDS[argv[0]](argv[1:]) or 0
