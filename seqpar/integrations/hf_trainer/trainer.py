@@ -1,0 +1,250 @@
+"""``ContextParallelTrainer``: transformers' ``Trainer`` with seqpar's context-parallel attention.
+
+The world of ``W`` processes (torchrun or ``accelerate launch``; gloo on CPU, NCCL on GPUs) is a
+``(dp, cp)`` device mesh, ``cp = context_parallel_size`` ranks per sequence and ``dp = W / cp``
+data-parallel groups. What changes against the plain Trainer, and why the result is the same:
+
+- **Data.** The Trainer's DataLoader is sharded over the ``dp`` groups instead of the ``W`` ranks:
+  every rank of a context-parallel group loads the same batch (``per_device_train_batch_size``
+  sequences per group), group ``g`` takes the batches ``g, g + dp, ...`` of the one sampler: a single
+  process with ``dp`` times the batch sees the same examples in each optimizer step.
+- **Inputs.** Each batch is packed into documents (``batches.pack_batch``: the position ids of
+  ``DataCollatorWithFlattening``, rows, or right padding) and this rank's shard is taken with
+  :func:`~seqpar.integrations.hf.shard_inputs`; the model was converted with
+  :func:`~seqpar.integrations.hf.apply_context_parallel` over the ``cp`` axis.
+- **Loss.** Every rank computes the cross-entropy *sum* of its own tokens and divides it by the
+  global label count of the optimizer step (all micro-batches, all groups: one all-reduce per step),
+  so the per-rank values add up to the global token mean. See :meth:`ContextParallelTrainer.compute_loss`
+  for the factor that makes DDP's and FSDP2's averaging give sums, and the logged loss the global mean.
+- **Wrapping.** DDP and FSDP2 are the Trainer's own (accelerate's), over all ``W`` ranks: the
+  context-parallel ranks of a sequence hold the same weights and their gradients must be summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainingArguments
+
+from ...methods import method as declared_method
+from ..hf import IGNORE_INDEX, apply_context_parallel, context_parallel_loss, shard_inputs
+from ..hf.convert import _attention_options
+from .batches import agree_label_count, count_labels, pack_batch
+
+__all__ = ["ContextParallelTrainer"]
+
+
+def _check_arguments(context_parallel_size, cp_method, cp_options) -> dict:
+    """Local validation of the three extra arguments (before any communication)."""
+    if isinstance(context_parallel_size, bool) or not isinstance(context_parallel_size, int) \
+            or context_parallel_size < 1:
+        raise ValueError(f"context_parallel_size: expected an int >= 1 (ranks that share one sequence), got "
+                         f"{context_parallel_size!r}")
+    declared_method(cp_method, argument="cp_method", kind="softmax")
+    options = dict(cp_options or {})
+    allowed = _attention_options()
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"cp_options: unknown {', '.join(unknown)}; seqpar.attention takes {', '.join(allowed)} "
+                         "here (e.g. cp_options={'ulysses_degree': 2} with cp_method='usp')")
+    return options
+
+
+def _check_training_arguments(args: TrainingArguments, cp: int, compute_loss_func) -> None:
+    """What the context-parallel trainer cannot honour, refused the same way on every rank."""
+    world = args.world_size  # initialises torch.distributed from the launcher's environment
+    if world % cp:
+        raise ValueError(f"context_parallel_size: {cp} does not divide the world of {world} processes; launch "
+                         f"a multiple of {cp} processes (torchrun --nproc-per-node) or choose a divisor of {world}")
+    fsdp_version = int((args.fsdp_config or {}).get("version", 1)) if args.fsdp else None
+    refusals = {
+        "fsdp": fsdp_version is not None and "FSDP is not supported by this version yet; use DDP (leave fsdp unset)",
+        "deepspeed": args.deepspeed is not None and "DeepSpeed is not supported; use fsdp with version 2",
+        "parallelism_config": args.parallelism_config is not None and
+        "accelerate's parallelism_config would apply its own context or sequence parallelism; leave it unset",
+        "label_smoothing_factor": args.label_smoothing_factor != 0 and
+        "label smoothing is not supported; set it to 0",
+        "train_sampling_strategy": args.train_sampling_strategy == "batch_rebalance" and cp > 1 and
+        "'batch_rebalance' deals batches per rank, not per context-parallel group; use 'random' or 'group_by_length'",
+        "compute_loss_func": compute_loss_func is not None and
+        "a custom loss would see this rank's shard only; the trainer computes the token cross-entropy itself",
+        "n_gpu": args.n_gpu > 1 and "one process drives several GPUs (DataParallel); launch one process per GPU",
+    }
+    for name, why in refusals.items():
+        if why:
+            raise ValueError(f"{name}: {why} (ContextParallelTrainer)")
+
+
+class ContextParallelTrainer(Trainer):
+    """transformers' ``Trainer``, with each sequence split over ``context_parallel_size`` ranks.
+
+    Used exactly like ``Trainer`` (same arguments, ``train()``, ``save_model()``, logging), plus:
+
+    Args:
+        context_parallel_size: ranks that share one sequence (``cp``); the ``W / cp`` groups are data
+            parallel. Must divide the world size. 1 = plain data parallelism through the same code.
+        cp_method: a softmax method of ``seqpar.METHODS`` (``"zigzag_ring"``, ``"ulysses"``, ``"usp"``, ...).
+        cp_options: ``seqpar.attention`` options for every layer, e.g. ``{"ulysses_degree": 2}`` with
+            ``"usp"``, ``{"backend": ...}``.
+
+    Batches: ``DataCollatorWithFlattening`` (documents never attend to each other), dense rows, or
+    right padding with an attention mask (packed here; left padding is refused). Shapes: a batch of
+    ``T_total`` tokens gives each rank ``T_local = T_total / cp`` (plus the method's padding). Weight
+    updates and the logged ``loss`` equal a single-process ``Trainer`` whose batch is ``dp`` times
+    larger (the global token mean); DDP (the default) and FSDP2 (``fsdp="full_shard"``,
+    ``fsdp_config={"version": 2}``) both work, as does ``torch_compile`` where seqpar's attention
+    compiles. ``evaluate``/``predict`` with ``context_parallel_size > 1`` give the loss only.
+    """
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, *rest, context_parallel_size: int = 1,
+                 cp_method: str = "zigzag_ring", cp_options: dict | None = None, **kwargs):
+        options = _check_arguments(context_parallel_size, cp_method, cp_options)
+        if args is None:
+            args = TrainingArguments(output_dir="tmp_trainer")
+        _check_training_arguments(args, context_parallel_size, kwargs.get("compute_loss_func"))
+        self.context_parallel_size = context_parallel_size
+        self.cp_method = cp_method
+        self.cp_options = options
+        super().__init__(model, args, *rest, **kwargs)
+        self.cp_mesh, self.cp_group = self._build_mesh()
+        # compute_loss normalises by the label count of the whole accumulation window itself
+        self.loss_is_scaled_for_ga = True
+        self.model = self._convert(self.model)
+
+    # ------------------------------------------------------------------------- set-up
+
+    def _build_mesh(self):
+        """The ``(dp, cp)`` DeviceMesh over the world (None in a single process) and the cp axis."""
+        world = self.args.world_size
+        if world == 1:
+            return None, None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = "cuda" if self.args.device.type == "cuda" else "cpu"
+        mesh = init_device_mesh(device, (world // self.context_parallel_size, self.context_parallel_size),
+                                mesh_dim_names=("dp", "cp"))
+        return mesh, mesh["cp"]
+
+    def _convert(self, model):
+        return apply_context_parallel(model, group=self.cp_group, method=self.cp_method, **self.cp_options)
+
+    def call_model_init(self, trial=None):
+        model = super().call_model_init(trial)
+        return self._convert(model) if getattr(self, "cp_method", None) else model
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Groups that train on different batches: ``world_size / context_parallel_size``."""
+        return self.args.world_size // self.context_parallel_size
+
+    def get_cp_size(self) -> int:
+        """The ranks that share one batch (the Trainer divides its world by this for its batch sizes)."""
+        return self.context_parallel_size
+
+    # ------------------------------------------------------------------------- data
+
+    def _shard_over_groups(self, dataloader):
+        """Re-point accelerate's per-rank sharding of ``dataloader`` at the data-parallel groups."""
+        if self.args.world_size == 1:
+            return dataloader
+        from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+
+        dp = self.data_parallel_size
+        dp_rank = self.args.process_index // self.context_parallel_size  # the mesh is (dp, cp), cp fastest
+        for shard in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "sampler", None),
+                      getattr(dataloader, "dataset", None)):
+            if isinstance(shard, (BatchSamplerShard, IterableDatasetShard)):
+                if shard.split_batches and shard.batch_size % dp:
+                    raise ValueError(f"per_device_train_batch_size: split_batches needs a batch size divisible by "
+                                     f"the {dp} data-parallel groups, got {shard.batch_size}")
+                shard.num_processes, shard.process_index = dp, dp_rank
+                return dataloader
+        raise ValueError(f"train_dataset: accelerate prepared a {type(dataloader).__name__} that the context-parallel "
+                         "trainer cannot deal per group (dispatch_batches, or a datasets.IterableDataset split by "
+                         "shards); pass a map-style dataset or set accelerator_config={'dispatch_batches': False}")
+
+    def get_train_dataloader(self):
+        return self._shard_over_groups(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._shard_over_groups(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset):
+        return self._shard_over_groups(super().get_test_dataloader(test_dataset))
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The next ``num_batches`` micro-batches, packed, and the label count of all of them over the
+        data-parallel groups (every rank raises if any rank's batch was refused)."""
+        packed, count, error = [], 0, None
+        for _ in range(num_batches):
+            try:
+                batch = next(epoch_iterator)
+            except StopIteration:
+                break
+            try:
+                batch = pack_batch(batch)
+                count += count_labels(batch)
+            except ValueError as exc:
+                error = error or str(exc)
+            packed.append(batch)
+        total = agree_label_count(count, error, world=self.args.world_size, cp=self.context_parallel_size,
+                                  across_dp=self.args.average_tokens_across_devices, device=self.args.device)
+        return packed, torch.tensor(float(total), device=self.args.device)
+
+    # ------------------------------------------------------------------------- loss
+
+    def _loss_scale(self) -> int:
+        """The factor between this rank's share and what it back-propagates (and reports).
+
+        A rank's share is ``c_r = (its token-loss sum) / N`` with ``N`` the label count of the step's
+        whole batch (``average_tokens_across_devices``, the default) or of its group's batch. The
+        single-process gradient is ``sum_r grad(c_r)`` (global counts) or ``(1/dp) sum_r grad(c_r)``
+        (the Trainer's mean over data-parallel devices, per-group counts). DDP and accelerate's FSDP2
+        both *average* gradients over the ``W`` ranks, so a rank back-propagates ``W * c_r`` (resp.
+        ``W/dp = cp``) and the average is exactly that sum. The same factor makes the Trainer's logged
+        loss right: it averages the ``W`` ranks' returned values, ``(1/W) sum_r W c_r`` = the global
+        token mean (or the mean of the groups' token means).
+        """
+        return self.args.world_size if self.args.average_tokens_across_devices else self.context_parallel_size
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """This rank's loss on its shard of ``inputs`` (a batch, packed here if it is not yet).
+
+        Training: ``scale * (sum of this rank's token cross-entropies) / num_items_in_batch``
+        (:meth:`_loss_scale`; ``num_items_in_batch`` from :meth:`get_batch_samples`). Evaluation
+        (no count): the token mean over the context-parallel group, the same on its ranks.
+        Outputs hold this rank's logits ``[1, T_local, V]`` only.
+        """
+        packed = pack_batch(inputs)
+        shard = shard_inputs(packed["input_ids"], labels=packed["labels"], position_ids=packed["position_ids"],
+                             cu_seqlens=packed["cu_seqlens"], group=self.cp_group, method=self.cp_method)
+        outputs = model(**shard.model_kwargs())
+        logits = outputs.logits
+        if num_items_in_batch is None:
+            loss = context_parallel_loss(logits, shard.labels, group=self.cp_group)
+        else:
+            local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shard.labels.reshape(-1),
+                                    ignore_index=IGNORE_INDEX, reduction="sum")
+            count = torch.as_tensor(num_items_in_batch, dtype=local.dtype, device=local.device).clamp(min=1)
+            loss = local * self._loss_scale() / count
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation: the batch is packed on every rank first (a refusal raises on every rank); under
+        context parallelism the result is the loss only (each rank holds a shard of the logits)."""
+        packed, error = inputs, None
+        try:
+            packed = pack_batch(inputs)
+        except ValueError as exc:
+            error = str(exc)
+        agree_label_count(0, error, world=self.args.world_size, cp=self.context_parallel_size, across_dp=False,
+                          device=self.args.device)
+        if self.context_parallel_size == 1:
+            return super().prediction_step(model, packed, prediction_loss_only, ignore_keys)
+        if not prediction_loss_only and self.compute_metrics is not None:
+            raise ValueError("compute_metrics: under context parallelism each rank holds a shard of the logits; "
+                             "evaluate the loss only (prediction_loss_only=True, no compute_metrics)")
+        packed = self._prepare_inputs(packed)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, packed)
+        return loss.detach(), None, None
