@@ -11,8 +11,9 @@ are aligned top-left when Tq != Tk.
 - :func:`merge_` folds a partial ``(out, lse)`` into an fp32 accumulator made
   by :func:`new_accumulator`.
 - :func:`select_backend` / :func:`available_backends`: dispatch over
-  ``flash_attn`` > ``triton`` > ``torch_cuda`` > ``torch_cpu`` > ``reference``
-  (``reference`` first for float64).
+  ``flash_attn`` > ``triton`` > ``torch_cuda`` > ``cudnn`` > ``torch_cpu`` > ``reference``
+  (``reference`` first for float64), reordered per case by the committed GPU timings
+  (:mod:`.dispatch_table`).
 - :func:`varlen_forward` / :func:`varlen_backward`: packed streams ``[1, T, H, D]``
   described by :class:`VarlenSegments` (per-document segments; :mod:`.varlen`).
 - :data:`FAILED_KERNELS`: the cases in which an automatically chosen backend's kernel

@@ -201,7 +201,7 @@ class Backend:
             names = sorted(str(d).replace("torch.", "") for d in c.dtypes)
             return f"dtype {str(q.dtype).replace('torch.', '')} not in {names}"
         plan = plan_block(q.shape[1], k.shape[1], mask)
-        if plan.window is not None and not c.window and not {"none", "causal", "causal_strict"} <= c.masks:
+        if plan.window is not None and not self.window_native(plan) and not {"none", "causal", "causal_strict"} <= c.masks:
             return f"a window band needs the masks none, causal and causal_strict, not only {sorted(c.masks)}"
         named = mask if not isinstance(mask, Band) else "causal" if plan.causal else "none"
         if plan.window is None and named not in c.masks:
@@ -221,6 +221,12 @@ class Backend:
                 f"Tq={q.shape[1]}, Tk={k.shape[1]} reduces to {plan.tq - plan.q_start}x{plan.k_stop}"
             )
         return self.extra_refusal(q, k, v, plan, for_backward)
+
+    def window_native(self, plan: BlockPlan) -> bool:
+        """Whether this backend runs the reduced window band of ``plan`` in one call (``forward`` /
+        ``backward`` with ``window=``); otherwise dispatch cuts it into plain pieces. ``caps.window``
+        unless a backend can express only some bands (e.g. clamped window bounds)."""
+        return self.caps.window
 
     def launch_failure(self, exc: BaseException) -> str | None:
         """Why ``exc``, raised by this backend's kernel, means it cannot compile or launch this

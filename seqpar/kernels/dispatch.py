@@ -10,8 +10,10 @@ pieces, each dispatched in turn, merged in fp32):
 - rows that see no key get ``out = 0``, ``lse = -inf`` and ``dq = 0``;
 - keys that no row sees get ``dk = dv = 0``.
 
-Dispatch picks the highest-ranked backend that fits (flash_attn > triton >
-torch_cuda > torch_cpu > reference for half/fp32; reference first for float64).
+Dispatch picks the highest-ranked backend that fits (flash4 > flash_attn > triton >
+torch_cuda > cudnn > torch_cpu > reference for half/fp32; reference first for float64), except
+where the committed table of GPU timings (:mod:`seqpar.kernels.dispatch_table`) has measured the
+block's case: there the backends it lists come first, fastest first.
 A forced ``backend=`` that cannot serve raises ``ValueError`` with its reason;
 when nothing fits, one ``ValueError`` lists every backend with its reason. An
 automatically chosen backend whose kernel fails to compile or launch for a
@@ -32,6 +34,8 @@ from .base import (
     lse_dtype,
     plan_block,
 )
+from .cudnn import CudnnBackend
+from .dispatch_table import DispatchTable, TableKey
 from .fallback import FAILED_KERNELS, Attempt, KernelCase
 from .flash import FlashAttnBackend
 from .masks import Band, band_pieces
@@ -43,11 +47,14 @@ from .triton_backend import TritonBackend
 #: Every backend, highest priority first. Immutable: dispatch has no switches.
 BACKENDS: tuple[Backend, ...] = tuple(
     sorted(
-        (FlashAttnBackend(), TritonBackend(), TorchCUDABackend(), TorchCPUBackend(), ReferenceBackend()),
+        (FlashAttnBackend(), TritonBackend(), TorchCUDABackend(), CudnnBackend(), TorchCPUBackend(),
+         ReferenceBackend()),
         key=lambda b: -b.caps.priority,
     )
 )
 BACKEND_NAMES: tuple[str, ...] = tuple(b.name for b in BACKENDS)
+#: The measured backend order per case (immutable; read once from the committed file).
+TABLE: DispatchTable = DispatchTable.load()
 
 
 def available_backends(include_unavailable: bool = False) -> list[str]:
@@ -93,7 +100,10 @@ def _candidates(q, k, v, mask, for_backward: bool, has_out: bool, reasons: list[
     plan = plan_block(q.shape[1], k.shape[1], mask)
     case = KernelCase.of(q, k, _kind(plan), for_backward)
     ranked = None if packed else plan
-    for b in sorted(BACKENDS, key=lambda b: b.rank(q.dtype, for_backward, ranked), reverse=True):
+    order = sorted(BACKENDS, key=lambda b: b.rank(q.dtype, for_backward, ranked), reverse=True)
+    if not packed and not plan.empty:  # measured cases: the table's order first
+        order = TABLE.arrange(order, TableKey.of(q, plan, for_backward))
+    for b in order:
         why = b.refusal(q, k, v, mask, for_backward, has_out)
         failed = None if why else FAILED_KERNELS.reason(b.name, case)
         if failed:
@@ -146,14 +156,15 @@ def select_backend(
 def _run(q, k, v, plan: BlockPlan, *, mask, backend, for_backward, has_out, call, pieces):
     """``call(chosen)`` on the forced backend, or on the best capable one, demoting those whose
     kernel fails to compile or launch (:class:`~seqpar.kernels.fallback.Attempt`) in turn. A
-    window band goes to ``pieces()`` when the backend that serves it lacks ``caps.window``."""
+    window band goes to ``pieces()`` when the backend that serves it cannot run it in one call
+    (:meth:`~seqpar.kernels.base.Backend.window_native`)."""
     if backend is not None:
         chosen = select_backend(q, k, v, mask=mask, backend=backend, for_backward=for_backward, has_out=has_out)
-        return pieces() if plan.window is not None and not chosen.caps.window else call(chosen)
+        return pieces() if plan.window is not None and not chosen.window_native(plan) else call(chosen)
     reasons: list[str] = []
     case = KernelCase.of(q, k, _kind(plan), for_backward)
     for chosen in _candidates(q, k, v, mask, for_backward, has_out, reasons):
-        if plan.window is not None and not chosen.caps.window:
+        if plan.window is not None and not chosen.window_native(plan):
             return pieces()
         with Attempt(chosen, case) as attempt:
             return call(chosen)

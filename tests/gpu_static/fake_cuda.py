@@ -25,14 +25,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .sdpa_contracts import CHECKS
 
 aten = torch.ops.aten
+#: Shared memory per block (opt-in) of the simulated GPUs, bytes (Triton's targets, checked by ptxas).
+SMEM_OPTIN = {(7, 5): 65_536, (8, 0): 166_912, (9, 0): 232_448, (10, 0): 232_448}
 
 
 @contextlib.contextmanager
-def simulated_gpu(capability: tuple[int, int], *, flash_sdp: bool = True, name: str | None = None):
+def simulated_gpu(capability: tuple[int, int], *, flash_sdp: bool = True, name: str | None = None,
+                  cudnn: int | None = 91900):
     """Make torch answer as one GPU of ``capability`` (e.g. ``(8, 0)``); ``flash_sdp``: whether
-    this torch build has its flash-attention kernel (Windows and ROCm builds may not)."""
+    this torch build has its flash-attention kernel (Windows and ROCm builds may not); ``cudnn``:
+    the cuDNN version of the build (torch 2.11 + CUDA 13 ships 9.19), ``None``: no cuDNN."""
     props = mock.Mock(major=capability[0], minor=capability[1], name=name or f"fake sm_{capability[0]}{capability[1]}",
-                      multi_processor_count=108, total_memory=80 << 30)
+                      multi_processor_count=108, total_memory=80 << 30,
+                      shared_memory_per_block_optin=SMEM_OPTIN.get(tuple(capability), 101_376))
     with contextlib.ExitStack() as stack:
         for target, value in (
             ("torch.cuda.is_available", True),
@@ -42,6 +47,8 @@ def simulated_gpu(capability: tuple[int, int], *, flash_sdp: bool = True, name: 
             ("torch.cuda.get_device_name", props.name),
             ("torch.cuda.get_device_properties", props),
             ("torch.backends.cuda.is_flash_attention_available", flash_sdp),
+            ("torch.backends.cudnn.is_available", cudnn is not None),
+            ("torch.backends.cudnn.version", cudnn),
         ):
             stack.enter_context(mock.patch(target, return_value=value))
         yield
@@ -144,10 +151,10 @@ class CPUBuildFakeMode(FakeTensorMode):
 
 
 @contextlib.contextmanager
-def fake_cuda(capability: tuple[int, int] = (9, 0), *, flash_sdp: bool = True):
+def fake_cuda(capability: tuple[int, int] = (9, 0), *, flash_sdp: bool = True, cudnn: int | None = 91900):
     """Simulated GPU + fake CUDA tensors + contract checks; yields the :class:`AtenContracts`."""
     contracts = AtenContracts(capability)
-    with simulated_gpu(capability, flash_sdp=flash_sdp), CPUBuildFakeMode(), TensorMethodShim(), contracts:
+    with simulated_gpu(capability, flash_sdp=flash_sdp, cudnn=cudnn), CPUBuildFakeMode(), TensorMethodShim(), contracts:
         yield contracts
 
 

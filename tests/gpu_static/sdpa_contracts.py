@@ -153,7 +153,57 @@ def efficient_backward(cap, grad_out, query, key, value, attn_bias, out, logsume
     return bad
 
 
+def _cudnn_common(cap, q, k, v, attn_bias, dropout_p) -> list[str]:
+    """torch's cuDNN attention (``cudnn/MHA.cpp``, ``sdp_utils.cpp`` ``check_cudnn_*``): sm_80 and
+    newer, fp16/bf16, D % 8 == 0 and D <= 128 with the cuDNN torch 2.11 ships (9.19), Hq % Hkv == 0,
+    a contiguous head dim; seqpar never passes a bias or dropout."""
+    bad = []
+    if tuple(cap) < (8, 0):
+        bad.append(f"cuDNN fused attention runs on sm_80 and newer, not {_arch(cap)}")
+    if q.dtype not in HALF:
+        bad.append(f"cuDNN fused attention needs fp16/bf16, got {q.dtype}")
+    d = q.shape[-1]
+    if d > 128 or d % 8:
+        bad.append(f"cuDNN 9.19 fused attention needs head dim % 8 == 0 and <= 128, got {d}")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        bad.append(f"cuDNN needs Hq % Hkv == 0 and equal K, V heads, got {q.shape[1]}, {k.shape[1]}, {v.shape[1]}")
+    if attn_bias is not None or dropout_p:
+        bad.append("seqpar never passes attn_bias or dropout to cuDNN")
+    return bad + _on_cuda(q=q, k=k, v=v) + _last_contiguous(q=q, k=k, v=v)
+
+
+def cudnn_forward(cap, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                  return_debug_mask=False, *, scale=None) -> list[str]:
+    bad = _cudnn_common(cap, query, key, value, attn_bias, dropout_p)
+    if not compute_log_sumexp:
+        bad.append("compute_log_sumexp=False returns no logsumexp")
+    return bad
+
+
+def cudnn_backward(cap, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
+                   cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None) -> list[str]:
+    bad = _cudnn_common(cap, query, key, value, attn_bias, dropout_p)
+    bad += _on_cuda(grad_out=grad_out, out=out, logsumexp=logsumexp) + _last_contiguous(grad_out=grad_out, out=out)
+    b, h, m = query.shape[:3]
+    for n, t in (("out", out), ("grad_out", grad_out)):
+        if t.dtype != query.dtype or tuple(t.shape) != tuple(query.shape):
+            bad.append(f"{n} must be {query.dtype} {tuple(query.shape)}, got {t.dtype} {tuple(t.shape)}")
+    if out.stride() != grad_out.stride():
+        bad.append(f"out strides {out.stride()} != grad_out strides {grad_out.stride()}: cuDNN's graph cache "
+                   "keys on them (a new graph per layout)")
+    if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (b, h, m, 1) or not logsumexp.is_contiguous():
+        bad.append(f"logsumexp must be contiguous float32 [{b}, {h}, {m}, 1] (the forward's stats layout), got "
+                   f"{logsumexp.dtype} {tuple(logsumexp.shape)} strides {logsumexp.stride()}")
+    if cum_seq_q is not None or cum_seq_k is not None:
+        bad.append("cum_seq_q/k select cuDNN's nested (varlen) path: seqpar's blocks are dense")
+    if (max_q, max_k) != (m, key.shape[2]):
+        bad.append(f"max_q, max_k = {max_q}, {max_k}: the dense path builds its graph with them, need {m}, {key.shape[2]}")
+    return bad
+
+
 CHECKS = {
+    aten._scaled_dot_product_cudnn_attention.default: cudnn_forward,
+    aten._scaled_dot_product_cudnn_attention_backward.default: cudnn_backward,
     aten._scaled_dot_product_flash_attention.default: flash_forward,
     aten._scaled_dot_product_flash_attention_backward.default: flash_backward,
     aten._scaled_dot_product_efficient_attention.default: efficient_forward,
