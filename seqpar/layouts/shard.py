@@ -17,6 +17,7 @@ from ..comm.fingerprint import call_fields
 from ..methods import method as declared
 from .packed import PackedLayout
 from .placement import placement
+from .stream import StreamLayout, check_stream_method, stream_layout, stream_shard, stream_unshard
 
 
 def layout_of(method: str) -> str:
@@ -93,6 +94,9 @@ def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int 
     _check_dim(x, dim, "x")
     where = placement(method, group, ulysses_degree=ulysses_degree, ring_method_name=ring_method)
     _check_packed_method(method, cu_seqlens)
+    if isinstance(cu_seqlens, StreamLayout):  # contiguous pieces of the stream (seqpar.layouts.stream)
+        check_stream_method(method)
+        return stream_shard(x, dim % x.dim(), cu_seqlens, where.info)
     return where.shard(x, dim % x.dim(), cu_seqlens)
 
 
@@ -114,18 +118,32 @@ def unshard(x_local: torch.Tensor, *, group=None, method: str = "zigzag_ring", d
     _check_dim(x_local, dim, "x_local")
     where = placement(method, group, ulysses_degree=ulysses_degree, ring_method_name=ring_method)
     _check_packed_method(method, cu_seqlens)
+    if isinstance(cu_seqlens, StreamLayout):
+        check_stream_method(method)
+        return stream_unshard(x_local, dim % x_local.dim(), cu_seqlens, where.info, stats)
     return where.unshard(x_local, dim % x_local.dim(), cu_seqlens, stats)
 
 
 def packed_layout(cu_seqlens, *, method: str = "zigzag_ring", group=None, ulysses_degree: int | None = None,
-                  ring_method: str | None = None) -> PackedLayout:
+                  ring_method: str | None = None, split: str = "documents") -> PackedLayout | StreamLayout:
     """Build the packed geometry of a batch once; pass it as ``cu_seqlens=`` to ``seqpar.shard``,
     ``seqpar.unshard`` and ``seqpar.attention`` (same method and group) instead of the tensor.
 
-    Validates ``cu_seqlens`` (ValueError); local, no communication. Schedules and device index
+    ``split``: ``"documents"`` (default, :mod:`seqpar.layouts.packed`): every document is split over
+    all ranks in the method's layout (balanced, padded inside the library). ``"stream"``
+    (:mod:`seqpar.layouts.stream`, ``method="ring"`` only): the packed stream ``[1, T_total]`` is cut
+    into N contiguous pieces of ``T_total / N`` tokens, documents crossing rank boundaries (what a
+    loader that slices a packed stream produces); each rank fetches only the K,V rows its documents
+    need. Validates ``cu_seqlens`` (ValueError); local, no communication. Schedules and device index
     tensors are cached on the returned object, so every layer after the first reuses them.
     """
     declared(method, kind="softmax")
+    if split not in ("documents", "stream"):
+        raise ValueError(f"split={split!r}: expected 'documents' (every document split over the ranks) or "
+                         "'stream' (the packed stream cut into N contiguous pieces)")
+    if split == "stream":
+        check_stream_method(method)
+        return stream_layout(cu_seqlens, placement(method, group).info.size)
     return placement(method, group, ulysses_degree=ulysses_degree, ring_method_name=ring_method).packed(cu_seqlens)
 
 

@@ -17,7 +17,7 @@ from ..comm.agreement import (
 from ..comm.fingerprint import call_fields
 from ..comm.usp_groups import describe_usp
 from ..kernels import Band, available_backends, check_qkv, select_backend
-from ..layouts import PackedLayout, check_cu_seqlens, placement
+from ..layouts import PackedLayout, StreamLayout, check_cu_seqlens, placement
 from ..methods import Method, check_usp_options, check_window, names
 from ..methods import method as declared
 from ..tracing import Trace, begin, end, resolve
@@ -26,6 +26,7 @@ from .executor import RingAttention, RingConfig
 from .packed import packed_schedule
 from .registry import dense_plan
 from .sinks import check_sinks
+from .stream import stream_setup
 from .ulysses import run_ulysses
 from .usp import run_usp
 from .window import effective_window
@@ -131,7 +132,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         softmax_scale: defaults to ``D ** -0.5``.
         cu_seqlens: packed variable-length input: global document offsets (int32, flash-attn
             convention, the same on every rank) of the packed stream, or a ``seqpar.packed_layout``
-            built once for the batch (reused by every layer). Then q is ``[1, T_pad_local, Hq, D]``,
+            built once for the batch (reused by every layer; ``split="stream"``: the stream cut in N
+            contiguous pieces, documents crossing ranks, ``method="ring"``: :mod:`.stream`).
+            Then q is ``[1, T_pad_local, Hq, D]``,
             the output of ``seqpar.shard(x, method=method, cu_seqlens=cu_seqlens)``; documents never
             attend across a boundary; padding rows get out 0 and no gradient.
         backend: force a block kernel (``seqpar.kernels.available_backends()``); default: the best
@@ -210,12 +213,15 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
         check_window(declared(method, kind="softmax"), window, ring_method)
         check_qkv(q, k, v)
         check_sinks(sinks, q)  # before the offsets gather below
-        if not isinstance(cu_seqlens, PackedLayout):
+        if not isinstance(cu_seqlens, (PackedLayout, StreamLayout)):
             host = check_cu_seqlens(cu_seqlens, None)
             if same_offsets_check:
                 _check_same(host, method, group, ulysses_degree, q, trace)
             cu_seqlens = host
-        packed = _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method)
+        if isinstance(cu_seqlens, StreamLayout):  # contiguous pieces of the stream (seqpar.softmax.stream)
+            packed = stream_setup(q, k, method, group, cu_seqlens)
+        else:
+            packed = _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method)
     spec = _validate(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                      backend=backend, grad_comm_dtype=grad_comm_dtype, info=info, window=window,
                      ring_method=ring_method, sinks=sinks)

@@ -26,9 +26,11 @@ import dataclasses
 
 from ..kernels.varlen import Segment, VarlenSegments
 from ..layouts.packed import PackedLayout
+from ..layouts.stream import StreamLayout
 from ..methods import Method
 from .plans import Block, Move, Schedule, Step, Task, row_range
 from .registry import dense_plan
+from .stream import stream_schedule
 from .window import DirectPlan, Pair
 
 
@@ -112,6 +114,8 @@ def _window_schedule(decl: Method, layout: PackedLayout, rank: int, causal: bool
 def packed_schedule(decl: Method, layout: PackedLayout, rank: int, causal: bool, window: int | None = None) -> Schedule:
     """This rank's schedule of a ring-family method for ``layout`` (cached on the layout); with a
     ``window``, the method's windowed plan per document."""
+    if isinstance(layout, StreamLayout):  # the stream cut into contiguous pieces: its own direct schedule
+        return stream_schedule(layout, rank, causal, window)
     key = ("schedule", decl.name, decl.plan, decl.transport, rank, bool(causal))
     if window is None:
         return layout.cache.get(key, lambda: _packed_schedule(decl, layout, rank, causal))

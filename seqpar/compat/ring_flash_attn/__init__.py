@@ -1,0 +1,50 @@
+"""ring-flash-attention's public API (0.1.x) on seqpar: change one import to switch::
+
+    import seqpar.compat.ring_flash_attn as ring_flash_attn       # was: import ring_flash_attn
+    from seqpar.compat.ring_flash_attn import zigzag_ring_flash_attn_func
+
+Same function names, argument names, defaults, token layouts and return values; runs on CPU (gloo)
+and GPU (NCCL), needs no flash-attn build, never expands GQA's K,V heads:
+
+- dense ``[B, T_local, H, D]`` (:mod:`.dense`): ``ring_flash_attn_func`` (contiguous chunks),
+  ``zigzag_ring_flash_attn_func`` (chunks r and 2N-1-r), ``stripe_flash_attn_func`` (token i on
+  rank i mod N), each with ``_kvpacked_func`` and ``_qkvpacked_func`` forms;
+- packed ``[T_local, H, D]`` with every document split over the ranks (:mod:`.varlen`):
+  ``ring_flash_attn_varlen_func``, ``zigzag_ring_flash_attn_varlen_func`` (+ packed forms), local
+  ``cu_seqlens`` = global // N;
+- the packed stream cut into N contiguous pieces (:mod:`.llama3`):
+  ``llama3_flash_attn_prepare_cu_seqlens``, ``llama3_flash_attn_varlen_func`` (+ packed forms);
+- the HF adapter (:mod:`.hf_adapter`): ``substitute_hf_flash_attn``,
+  ``update_ring_flash_attn_params``, ``use_ring_attn``.
+
+``return_attn_probs=True`` returns ``(out, lse, None)`` like the original (lse fp32, ``[B, H, T_local]``
+dense, ``[H, T_local]`` varlen; it costs one more attention forward). Where seqpar differs:
+
+- exact ``window_size`` in every layout (causal: ``(left, *)``; non-causal: symmetric ``(w, w)``);
+- ``zigzag_*`` and ``stripe_*`` also take ``causal=False`` (the original asserts causal);
+- ``dropout_p > 0`` and ``alibi_slopes`` raise ``ValueError`` on every rank before any communication
+  (seqpar implements neither); ``deterministic`` is accepted (seqpar's results do not depend on it);
+- ``max_seqlen*`` and ``heads_k_stride`` are accepted and not needed (``heads_k_stride`` must
+  divide the K,V heads, as in the original).
+"""
+
+from .dense import (ring_flash_attn_func, ring_flash_attn_kvpacked_func, ring_flash_attn_qkvpacked_func,
+                    stripe_flash_attn_func, stripe_flash_attn_kvpacked_func, stripe_flash_attn_qkvpacked_func,
+                    zigzag_ring_flash_attn_func, zigzag_ring_flash_attn_kvpacked_func,
+                    zigzag_ring_flash_attn_qkvpacked_func)
+from .hf_adapter import substitute_hf_flash_attn, update_ring_flash_attn_params, use_ring_attn
+from .llama3 import (llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func,
+                     llama3_flash_attn_varlen_kvpacked_func, llama3_flash_attn_varlen_qkvpacked_func)
+from .varlen import (ring_flash_attn_varlen_func, ring_flash_attn_varlen_kvpacked_func,
+                     ring_flash_attn_varlen_qkvpacked_func, zigzag_ring_flash_attn_varlen_func,
+                     zigzag_ring_flash_attn_varlen_kvpacked_func, zigzag_ring_flash_attn_varlen_qkvpacked_func)
+
+__all__ = ["llama3_flash_attn_prepare_cu_seqlens", "llama3_flash_attn_varlen_func",
+           "llama3_flash_attn_varlen_kvpacked_func", "llama3_flash_attn_varlen_qkvpacked_func",
+           "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
+           "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_kvpacked_func",
+           "ring_flash_attn_varlen_qkvpacked_func", "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func",
+           "stripe_flash_attn_qkvpacked_func", "substitute_hf_flash_attn", "update_ring_flash_attn_params",
+           "use_ring_attn", "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
+           "zigzag_ring_flash_attn_qkvpacked_func", "zigzag_ring_flash_attn_varlen_func",
+           "zigzag_ring_flash_attn_varlen_kvpacked_func", "zigzag_ring_flash_attn_varlen_qkvpacked_func"]

@@ -1,0 +1,98 @@
+"""What every function of :mod:`seqpar.compat.ring_flash_attn` shares: the peer's options mapped to
+seqpar's (or refused), the call itself, and the log-sum-exp of ``return_attn_probs``.
+
+The output always comes from :func:`seqpar.attention` (its checks, rank agreement, tracing and
+checkpointing apply). ``return_attn_probs=True`` also needs the merged log-sum-exp, which
+``seqpar.attention`` does not return: it is taken from one more forward run of the same schedule on
+seqpar's executor (no autograd), so asking for it costs a second attention forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from seqpar.comm import group_info
+from seqpar.methods import method as declared
+from seqpar.softmax import attention
+from seqpar.softmax.executor import RingConfig, ring_forward
+from seqpar.softmax.packed import packed_schedule
+from seqpar.softmax.registry import dense_plan
+from seqpar.softmax.window import effective_window
+
+
+def check_options(*, dropout_p, alibi_slopes, window_size, deterministic, return_attn_probs, causal,
+                  softmax_scale) -> int | None:
+    """The peer's options checked (ValueError naming the argument, before any communication) and its
+    ``window_size`` as seqpar's ``window`` (None: no window)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p!r}: seqpar's attention is exact and implements no attention "
+                         "dropout; pass dropout_p=0.0 (set the model's attention_dropout to 0)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: seqpar does not implement ALiBi biases; pass alibi_slopes=None "
+                         "(models with ALiBi cannot use this drop-in)")
+    for name, value in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: expected True or False, got {value!r}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not softmax_scale > 0 or not math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale: expected a positive finite number or None, got {softmax_scale!r}")
+    return window_of(window_size, causal)
+
+
+def window_of(window_size, causal: bool) -> int | None:
+    """flash-attn's ``window_size=(left, right)`` (-1: unbounded) as seqpar's ``window`` W.
+
+    Causal: query i sees keys ``i - left .. i``, so ``W = left + 1`` (``right`` is capped by the
+    causal mask, as in flash-attn). Non-causal: seqpar's window is symmetric, ``left == right`` gives
+    ``W = left + 1``; unequal sides are refused."""
+    try:
+        left, right = (int(x) for x in window_size)
+        if (left, right) != tuple(window_size):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size={window_size!r}: expected a pair of ints (left, right), -1 for no "
+                         "limit, e.g. (-1, -1)") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size={window_size!r}: each side is -1 (no limit) or a number of tokens >= 0")
+    if causal:
+        return None if left == -1 else left + 1
+    if left != right:
+        raise ValueError(f"window_size={window_size!r}: with causal=False seqpar's sliding window is symmetric; "
+                         "pass equal sides (w, w), or (-1, -1) for none")
+    return None if left == -1 else left + 1
+
+
+def attend(q, k, v, *, method: str, causal: bool, softmax_scale, window, group, cu_seqlens=None,
+           return_lse: bool = False):
+    """``seqpar.attention`` on ``[B, T_local, H, D]`` inputs; with ``return_lse`` also the merged lse
+    ``[B, Hq, T_local]`` (fp32, no gradient) of the same call."""
+    out = attention(q, k, v, group=group, method=method, causal=causal, softmax_scale=softmax_scale,
+                           cu_seqlens=cu_seqlens, window=window)
+    if not return_lse:
+        return out, None
+    return out, merged_lse(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, window=window,
+                           group=group, layout=cu_seqlens)
+
+
+def merged_lse(q, k, v, *, method, causal, softmax_scale, window, group, layout) -> torch.Tensor:
+    """The log-sum-exp of every local query row over all the keys it sees: the same schedule as
+    ``seqpar.attention`` (``layout``: None for dense input, else its packed or stream layout), run
+    forward once more on the executor without autograd. fp32 ``[B, Hq, T_local]``."""
+    info, spec = group_info(group), declared(method, kind="softmax")
+    window = effective_window(window, layout, info.size * q.shape[1])
+    if layout is not None:
+        plan = packed_schedule(spec, layout, info.rank, causal, window)
+    else:
+        plan = dense_plan(spec, info.rank, info.size, q.shape[1], causal, window)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    with torch.no_grad():
+        _, lse = ring_forward(q.detach().contiguous(), k.detach().contiguous(), v.detach().contiguous(),
+                              RingConfig(info=info, plan=plan, scale=scale))
+    return lse.float()
+
+
+def result(out, lse, return_attn_probs: bool):
+    """The peer's return value: ``out``, or ``(out, lse, None)`` (no attention probabilities)."""
+    return (out, lse, None) if return_attn_probs else out

@@ -1,0 +1,335 @@
+"""seqpar.compat.ring_flash_attn: ring-flash-attention's API on seqpar, checked in its own layouts.
+
+Every case builds the global tensors, cuts each rank's input the way ring-flash-attention's own
+tests do (contiguous chunks, zigzag chunks r and 2N-1-r, stripes i mod N, per-document splits with
+local cu_seqlens = global // N, contiguous pieces of the packed stream), runs the compat function
+forward and backward on gloo ranks, and compares the local output, lse and every local gradient
+with the same cut of a float64 reference that knows nothing of seqpar (explicit masked scores,
+flash-attn's window_size semantics). Many cases share one ``run_distributed`` call.
+
+Also: the stream layout through ``seqpar.attention`` / ``seqpar.shard``; the HF adapter against the
+single-process model (logits and every parameter gradient); bad inputs raise on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seqpar
+import seqpar.compat.ring_flash_attn as rfa
+from seqpar.testing import run_distributed
+
+from dist_utils import rel_err, world
+
+# fp32: every path accumulates in fp32 over at most ~100 keys: ~1e-7 relative per operation, so 2e-5
+# of the largest magnitude leaves room while a wrong mask, chunk or head routing gives errors ~1e-1.
+FP32_TOL = 2e-5
+# bf16: at most 2x as far from float64 as the same plain attention computed in bf16 on one device
+# (flash-attention's test rule, STYLE.md 12), compared on the same rows; the floor absorbs cases
+# where that baseline is unusually lucky. Measured: at most 2.1x + floor (torch's CPU SDPA in bf16,
+# which accumulates in fp32, is a stricter baseline: seqpar.attention's own windowed zigzag at N = 3
+# is up to 3.1x that on some ranks).
+BF16_FACTOR, BF16_FLOOR = 2.0, 2e-3
+# lse is accumulated in fp32 from the (rounded) inputs in every dtype: 1e-5 relative for fp32 and
+# bf16 alike (the bf16 rounding is in the inputs, which the float64 reference sees too).
+LSE_TOL = 1e-5
+TIMEOUT = 300
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _allowed(T, causal, window_size, cu=None):
+    """[T, T] bool: flash-attn's visibility (window_size=(left, right), -1 unbounded; per document)."""
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    ok = torch.ones(T, T, dtype=torch.bool)
+    if causal:
+        ok &= j <= i
+    left, right = window_size
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    if cu is not None:
+        doc = torch.bucketize(torch.arange(T), torch.tensor(cu[1:]), right=True)
+        ok &= doc[:, None] == doc[None, :]
+    return ok
+
+
+def _reference(q, k, v, allowed, scale=None):
+    """Plain attention [B, T, Hq, D] with GQA by head groups; returns (out, lse [B, Hq, T])."""
+    B, T, Hq, D = q.shape
+    g = Hq // k.shape[2]
+    kk, vv = (x.repeat_interleave(g, dim=2) for x in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * (scale if scale is not None else D ** -0.5)
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("bhij,bjhd->bihd", torch.softmax(s, dim=-1), vv)
+    return out, lse
+
+
+def _low_precision_reference(q, k, v, dout, allowed):
+    """The same plain attention computed in the inputs' low dtype (flash-attention's own tests'
+    baseline, ``attention_ref`` without upcasting): ``(out, dq, dk, dv)``."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, _ = _reference(*leaves, allowed)
+    out.backward(dout)
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+# ----------------------------------------------------------------------------- the original's cuts
+
+
+def _cut(x, how, rank, n, dim=1, cu=None):
+    """Rank ``rank``'s part of global ``x`` along ``dim`` as ring-flash-attention's tests cut it."""
+    x = x.movedim(dim, 0)
+    if how == "ring":
+        part = x.chunk(n)[rank]
+    elif how == "zigzag":
+        c = x.chunk(2 * n)
+        part = torch.cat([c[rank], c[2 * n - 1 - rank]])
+    elif how == "stripe":
+        part = x[rank::n]
+    elif how == "varlen_ring":
+        part = torch.cat([x[a:b].chunk(n)[rank] for a, b in zip(cu, cu[1:])])
+    elif how == "varlen_zigzag":
+        part = torch.cat([_cut(x[a:b], "zigzag", rank, n, dim=0) for a, b in zip(cu, cu[1:])])
+    elif how == "llama3":
+        t = x.shape[0] // n
+        part = x[rank * t:(rank + 1) * t]
+    return part.movedim(0, dim).contiguous()
+
+
+DENSE = {"ring": ("ring", rfa.ring_flash_attn_func, rfa.ring_flash_attn_kvpacked_func,
+                  rfa.ring_flash_attn_qkvpacked_func),
+         "zigzag": ("zigzag", rfa.zigzag_ring_flash_attn_func, rfa.zigzag_ring_flash_attn_kvpacked_func,
+                    rfa.zigzag_ring_flash_attn_qkvpacked_func),
+         "stripe": ("stripe", rfa.stripe_flash_attn_func, rfa.stripe_flash_attn_kvpacked_func,
+                    rfa.stripe_flash_attn_qkvpacked_func)}
+VARLEN = {"varlen_ring": (rfa.ring_flash_attn_varlen_func, rfa.ring_flash_attn_varlen_kvpacked_func,
+                          rfa.ring_flash_attn_varlen_qkvpacked_func),
+          "varlen_zigzag": (rfa.zigzag_ring_flash_attn_varlen_func, rfa.zigzag_ring_flash_attn_varlen_kvpacked_func,
+                            rfa.zigzag_ring_flash_attn_varlen_qkvpacked_func),
+          "llama3": (rfa.llama3_flash_attn_varlen_func, rfa.llama3_flash_attn_varlen_kvpacked_func,
+                     rfa.llama3_flash_attn_varlen_qkvpacked_func)}
+FORMS = ("plain", "kvpacked", "qkvpacked")
+
+
+def _call(case, q, k, v, n, rank):
+    """Run the case's function on local leaves in its packed form; returns (result, grads getter)."""
+    form, kw = case["form"], dict(causal=case["causal"], window_size=case["window_size"],
+                                  return_attn_probs=case["lse"], softmax_scale=case.get("scale"))
+    packed_dim = 2 if case["layout"] in DENSE else 1
+    if form == "plain":
+        leaves = [x.requires_grad_() for x in (q, k, v)]
+        args = leaves
+    elif form == "kvpacked":
+        leaves = [q.requires_grad_(), torch.stack([k, v], dim=packed_dim).requires_grad_()]
+        args = leaves
+    else:
+        leaves = [torch.stack([q, k, v], dim=packed_dim).requires_grad_()]
+        args = leaves
+    if case["layout"] in DENSE:
+        fn = DENSE[case["layout"]][1 + FORMS.index(form)]
+        res = fn(*args, **kw)
+    else:
+        fn = VARLEN[case["layout"]][FORMS.index(form)]
+        cu = case["cu"]
+        if case["layout"] == "llama3":
+            cq, ck, mq, mk, ks = rfa.llama3_flash_attn_prepare_cu_seqlens(torch.tensor(cu, dtype=torch.int32),
+                                                                          case["causal"], rank, n)
+            res = fn(*args, cq, ck, mq, mk, 1, ks, **kw)
+        else:
+            local = torch.tensor(cu, dtype=torch.int32) // n
+            res = fn(*args, local, int((local[1:] - local[:-1]).max()), **kw)
+
+    def grads():
+        if form == "plain":
+            return [x.grad for x in leaves]
+        if form == "kvpacked":
+            return [leaves[0].grad] + list(leaves[1].grad.unbind(packed_dim))
+        return list(leaves[0].grad.unbind(packed_dim))
+
+    return res, grads
+
+
+def _global(case, n):
+    """Global float64 inputs (rounded through the case's dtype), dout, the visibility mask."""
+    B, T, Hq, Hkv, D = case["shape"]
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    dtype = case["dtype"]
+    shapes = [(B, T, Hq, D), (B, T, Hkv, D), (B, T, Hkv, D), (B, T, Hq, D)]
+    xs = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).double() for s in shapes]
+    allowed = _allowed(T, case["causal"], case["window_size"], case.get("cu"))
+    return xs, allowed
+
+
+def _one_case(case):
+    rank, n = world()
+    (q, k, v, dout), allowed = _global(case, n)
+    varlen = case["layout"] in VARLEN
+    dtype, how, cu = case["dtype"], case["layout"], case.get("cu")
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_ref, lse_ref = _reference(*ref, allowed, case.get("scale"))
+    out_ref.backward(dout)
+    expect = [out_ref.detach(), ref[0].grad, ref[1].grad, ref[2].grad]
+    if varlen:  # [1, T, ...] -> [T, ...]: the packed functions take the stream without a batch dim
+        q, k, v, dout = (x[0] for x in (q, k, v, dout))
+        expect = [x[0] for x in expect]
+    local = [_cut(x.to(dtype), how, rank, n, dim=0 if varlen else 1, cu=cu) for x in (q, k, v)]
+    res, grads = _call(case, *local, n, rank)
+    out = res[0] if case["lse"] else res
+    out.backward(_cut(dout.to(dtype), how, rank, n, dim=0 if varlen else 1, cu=cu))
+    got = [out.detach()] + grads()
+    errs = [rel_err(a, _cut(b, how, rank, n, dim=0 if varlen else 1, cu=cu)) for a, b in zip(got, expect)]
+    dtypes_ok = out.dtype == dtype and all(g.dtype == dtype for g in got[1:])
+    row = {"errs": errs, "dtypes_ok": dtypes_ok, "lse": None, "base": None}
+    if case["lse"]:
+        lse = res[1]
+        assert res[2] is None
+        want = lse_ref.detach()[0] if varlen else lse_ref.detach()  # varlen: [H, T]
+        row["lse"] = rel_err(lse, _cut(want, how, rank, n, dim=1 if varlen else 2, cu=cu))
+        row["lse_shape_ok"] = tuple(lse.shape) == ((q.shape[1], local[0].shape[0]) if varlen else
+                                                   (q.shape[0], q.shape[2], local[0].shape[1]))
+    if dtype == torch.bfloat16:
+        base_in = [x.unsqueeze(0) if varlen else x for x in (q, k, v, dout)]
+        base = _low_precision_reference(*(x.to(dtype) for x in base_in), allowed)
+        # the baseline's error on the same rows as this rank's (a slice's largest value sets the scale)
+        row["base"] = [rel_err(*(_cut(x, how, rank, n, dim=0 if varlen else 1, cu=cu) for x in (b[0] if varlen else b, e)))
+                       for b, e in zip(base, expect)]
+    return row
+
+
+def _run_cases(cases):
+    return [_one_case(c) for c in cases]
+
+
+def _check(results, cases):
+    for rank, rows in enumerate(results):
+        for case, row in zip(cases, rows):
+            label = f"rank {rank} {case['layout']}/{case['form']} causal={case['causal']} " \
+                    f"window={case['window_size']} {case['dtype']}"
+            assert row["dtypes_ok"], f"{label}: output or gradient dtype differs from the input dtype"
+            for name, e, i in zip(("out", "dq", "dk", "dv"), row["errs"], range(4)):
+                if case["dtype"] == torch.float32:
+                    assert e <= FP32_TOL, f"{label} {name}: error {e:.2e} > {FP32_TOL:.0e}"
+                else:
+                    bound = BF16_FACTOR * row["base"][i] + BF16_FLOOR
+                    assert e <= bound, f"{label} {name}: error {e:.2e} > 2 x bf16 reference {row['base'][i]:.2e} + floor"
+            if case["lse"]:
+                assert row["lse_shape_ok"], f"{label}: lse has the wrong shape"
+                assert row["lse"] <= LSE_TOL, f"{label} lse: error {row['lse']:.2e} > {LSE_TOL:.0e}"
+
+
+def _cases(n, dtype):
+    """Every function (3 layouts x 3 forms dense, 3 x 3 packed), causal and not, windows, lse, GQA."""
+    # Hq = 4 with Hkv = 2 (GQA), except qkvpacked (one head count for q, k and v)
+    T = 2 * n * 7  # zigzag chunks of 7 tokens: odd
+    cases = []
+    for layout in DENSE:
+        for f, form in enumerate(FORMS):
+            for causal in (True, False):
+                window = (5, 0) if causal and form == "kvpacked" else (4, 4) if not causal and f == 0 else (-1, -1)
+                cases.append(dict(layout=layout, form=form, causal=causal, window_size=window, dtype=dtype,
+                                  lse=form != "kvpacked", shape=(2, T, 4, 4 if form == "qkvpacked" else 2, 16),
+                                  seed=len(cases)))
+    docs = {"varlen_ring": [n, 5 * n, 2 * n, 3 * n], "varlen_zigzag": [2 * n, 6 * n, 2 * n],
+            "llama3": [1, 8, 2 * n + 1, 17, 1]}
+    for layout, lens in docs.items():
+        if layout == "llama3":
+            lens = lens + [-sum(lens) % n or n]  # T_total a multiple of N; documents cross ranks
+        cu = [0]
+        for L in lens:
+            cu.append(cu[-1] + L)
+        for f, form in enumerate(FORMS):
+            for causal in (True, False):
+                window = (3, 0) if causal and form == "plain" else (-1, -1)
+                cases.append(dict(layout=layout, form=form, causal=causal, window_size=window, dtype=dtype,
+                                  lse=form != "qkvpacked", shape=(1, cu[-1], 4, 4 if form == "qkvpacked" else 2, 16),
+                                  cu=cu, seed=len(cases), scale=0.3 if form == "kvpacked" else None))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_function(n, dtype):
+    """Every function and packed form, causal and not, windows, lse, GQA: forward, lse and every
+    gradient against float64, in the original's layouts (36 cases in one distributed call)."""
+    cases = _cases(n, dtype)
+    _check(run_distributed(_run_cases, n, cases, timeout=TIMEOUT), cases)
+
+
+# ----------------------------------------------------------------------------- the stream layout in seqpar
+
+
+STREAM_LENS = (1, 9, 7, 1, 30, 4)  # a document of length 1 first; documents cross ranks; one spans ranks
+
+
+def _stream_cu(n):
+    lens = list(STREAM_LENS) + [-sum(STREAM_LENS) % n or n]  # a multiple of N tokens
+    cu = [0]
+    for L in lens:
+        cu.append(cu[-1] + L)
+    return cu
+
+
+def _stream_attention(dtype):
+    """seqpar.attention with a stream layout (packed_layout(split="stream")), through seqpar.shard
+    and seqpar.unshard: out and every gradient against float64, plus the shard round trip."""
+    rank, n = world()
+    cu = _stream_cu(n)
+    layout = seqpar.packed_layout(torch.tensor(cu, dtype=torch.int32), method="ring", split="stream")
+    rows = []
+    for causal, window in ((True, None), (False, None), (True, 4), (False, 3)):
+        case = dict(shape=(1, cu[-1], 4, 2, 16), dtype=dtype, causal=causal, cu=cu, seed=len(rows),
+                    window_size=(-1, -1) if window is None else (window - 1, 0 if causal else window - 1))
+        (q, k, v, dout), allowed = _global(case, n)
+        ref = [x.clone().requires_grad_() for x in (q, k, v)]
+        out_ref, _ = _reference(*ref, allowed)
+        out_ref.backward(dout)
+        local = [seqpar.shard(x.to(dtype), method="ring", cu_seqlens=layout).requires_grad_() for x in (q, k, v)]
+        out = seqpar.attention(*local, method="ring", cu_seqlens=layout, causal=causal, window=window)
+        out.backward(seqpar.shard(dout.to(dtype), method="ring", cu_seqlens=layout))
+        got = [seqpar.unshard(x, method="ring", cu_seqlens=layout) for x in (out.detach(), *(t.grad for t in local))]
+        errs = [rel_err(a, b) for a, b in zip(got, (out_ref.detach(), *(t.grad for t in ref)))]
+        base = [rel_err(a, b) for a, b in zip(_low_precision_reference(*(x.to(dtype) for x in (q, k, v, dout)), allowed),
+                                              (out_ref.detach(), *(t.grad for t in ref)))]
+        rows.append((causal, window, errs, base, tuple(local[0].shape)))
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_stream_layout_through_seqpar_attention(n, dtype):
+    for rank, rows in enumerate(run_distributed(_stream_attention, n, dtype, timeout=TIMEOUT)):
+        for causal, window, errs, base, shape in rows:
+            assert shape[1] * n == _stream_cu(n)[-1], f"rank {rank}: local piece of {shape[1]} rows"
+            for name, e, b in zip(("out", "dq", "dk", "dv"), errs, base):
+                bound = FP32_TOL if dtype == torch.float32 else BF16_FACTOR * b + BF16_FLOOR
+                assert e <= bound, f"rank {rank} causal={causal} window={window} {name}: error {e:.2e} > {bound:.1e}"
+
+
+def test_stream_layout_geometry():
+    """Pieces, local offsets and refusals of the stream layout (no ranks needed)."""
+    from seqpar.layouts import StreamLayout, stream_layout
+    from seqpar.softmax.stream import pair_segments
+
+    lay = stream_layout([0, 1, 10, 14, 20], 2)
+    assert lay.t_local == 10
+    assert lay.pieces == (((0, 0, 1), (1, 1, 10)), ((2, 10, 14), (3, 14, 20)))
+    assert lay.local_cu_seqlens(1) == (0, 4, 10)
+    crossing = StreamLayout(2, (0, 3, 17, 20))  # document 1 runs from rank 0 into rank 1
+    assert crossing.pieces[1] == ((1, 10, 17), (2, 17, 20))
+    assert crossing.doc_starts(1) == (3, 17)
+    # rank 1's queries of document 1 need rank 0's keys 3..9, nothing of document 0
+    (seg,) = pair_segments(crossing, 1, 0, causal=True, window=None)
+    assert (seg.q_start, seg.q_len, seg.k_start, seg.k_len, seg.mask) == (0, 7, 3, 7, "none")
+    assert pair_segments(crossing, 0, 1, causal=True, window=None) == []
+    with pytest.raises(ValueError, match="multiple of the 3 ranks"):
+        stream_layout([0, 5, 10], 3)
+    with pytest.raises(ValueError, match="method='ring'"):
+        seqpar.packed_layout([0, 4], method="zigzag_ring", split="stream")
+    with pytest.raises(ValueError, match="split="):
+        seqpar.packed_layout([0, 4], method="ring", split="rows")
