@@ -6,7 +6,8 @@ amount; no clipping, constant learning rate), real-text documents of awkward len
 packed by ``DataCollatorWithFlattening``, random sampling. One torchrun launch per world size runs its
 configurations in sequence (2 ranks: cp 2 with gradient accumulation, ulysses, right padding, bad
 inputs, and a trainer whose gradients are averaged instead of summed, which the comparison must
-catch; 3 ranks: cp 3; 4 ranks: cp 2 x dp 2, a bad batch in one data-parallel group). Rank 0 saves the model with ``save_model`` and writes the logged losses; the
+catch; 3 ranks: cp 3; 4 ranks: cp 2 x dp 2 under DDP and under FSDP2, a bad batch in one
+data-parallel group). Rank 0 saves the model with ``save_model`` and writes the logged losses; the
 test reloads the saved folder with ``from_pretrained`` and compares with the plain ``Trainer`` run
 in one process on batches ``dp`` times larger (the same examples per optimizer step).
 
@@ -48,6 +49,7 @@ CONFIGS = {
     # DDP's average over the ranks left as it is (no factor W): half the gradient at cp 2
     "wrong_scale": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, wrong_scale=True)),
     "cp2_dp2_ddp": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2)),
+    "cp2_dp2_fsdp2": (4, dict(cp=2, method="allgather_kv", batch=2, ga=2, fsdp=True)),
 }
 # name -> (world, trainer options, text every rank's error must contain)
 BAD = {
@@ -115,7 +117,7 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
     dp = world // opts["cp"] if cp_trainer else 1
     batch = opts["batch"] if cp_trainer else opts["batch"] * (world // opts["cp"])
     extra = {}
-    if opts.get("fsdp"):
+    if opts.get("fsdp") and cp_trainer:  # the reference is one process: no sharding
         extra = dict(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=opts["ga"],
@@ -139,10 +141,12 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
     else:
         trainer = Trainer(**kwargs)
     trainer.train()
-    if opts.get("fsdp"):  # the Trainer's FSDP2 sharded the model (no DDP wrapper)
+    if opts.get("fsdp") and cp_trainer:  # FSDP2 sharded the model (and no DDP is around it)
         from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
 
-        assert trainer.is_fsdp_enabled and isinstance(trainer.model_wrapped, FSDPModule), type(trainer.model_wrapped)
+        assert isinstance(trainer.model, FSDPModule) and isinstance(trainer.model.lm_head.weight, DTensor)
+        assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
 
 
@@ -257,7 +261,7 @@ def test_bad_inputs_raise_on_every_rank(world2, name):
     assert len(records) == 2 and all(expected in r.get("error", "") for r in records), records
 
 
-def test_world4_cp2_dp2_and_a_bad_group(folder, tmp_path_factory, tmp_path):
+def test_world4_cp2_dp2_ddp_fsdp2_and_a_bad_group(folder, tmp_path_factory, tmp_path):
     out = tmp_path_factory.mktemp("world4")
     names = [n for n, (w, *_) in {**CONFIGS, **BAD}.items() if w == 4]
     results = _launch(4, names, out, folder)

@@ -16,19 +16,26 @@ data-parallel groups. What changes against the plain Trainer, and why the result
   global label count of the optimizer step (all micro-batches, all groups: one all-reduce per step),
   so the per-rank values add up to the global token mean. See :meth:`ContextParallelTrainer.compute_loss`
   for the factor that makes DDP's and FSDP2's averaging give sums, and the logged loss the global mean.
-- **Wrapping.** DDP and FSDP2 are the Trainer's own (accelerate's), over all ``W`` ranks: the
+- **Wrapping.** Without ``fsdp``, the Trainer's own DDP (accelerate's) over all ``W`` ranks: the
   context-parallel ranks of a sequence hold the same weights and their gradients must be summed.
+  With ``fsdp=True, fsdp_config={"version": 2}``, seqpar's :func:`~seqpar.integrations.parallelize.parallelize`
+  shards the model with FSDP2 over the ``dp x cp`` ranks (gradient sums), on CPU as on GPUs
+  (accelerate applies FSDP only to GPUs; it is kept out of the model here), and ``save_model``
+  gathers the full state dict.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 
 from ...methods import method as declared_method
-from ..hf import IGNORE_INDEX, apply_context_parallel, context_parallel_loss, shard_inputs
+from ..hf import IGNORE_INDEX, context_parallel_loss, shard_inputs
 from ..hf.convert import _attention_options
+from ..parallelize import parallelize
 from .batches import agree_label_count, count_labels, pack_batch
 
 __all__ = ["ContextParallelTrainer"]
@@ -58,7 +65,10 @@ def _check_training_arguments(args: TrainingArguments, cp: int, compute_loss_fun
                          f"a multiple of {cp} processes (torchrun --nproc-per-node) or choose a divisor of {world}")
     fsdp_version = int((args.fsdp_config or {}).get("version", 1)) if args.fsdp else None
     refusals = {
-        "fsdp": fsdp_version is not None and "FSDP is not supported by this version yet; use DDP (leave fsdp unset)",
+        "fsdp_config": fsdp_version == 1 and "FSDP1 is not supported; pass fsdp_config={'version': 2}",
+        "fp16": fsdp_version == 2 and args.fp16 and "FSDP2 here runs bf16 (bf16=True) or fp32, without a loss scaler",
+        "save_strategy": fsdp_version == 2 and args.save_strategy != "no" and not args.save_only_model and
+        "checkpoints of the sharded optimizer state are not written; pass save_only_model=True or save_strategy='no'",
         "deepspeed": args.deepspeed is not None and "DeepSpeed is not supported; use fsdp with version 2",
         "parallelism_config": args.parallelism_config is not None and
         "accelerate's parallelism_config would apply its own context or sequence parallelism; leave it unset",
@@ -73,6 +83,32 @@ def _check_training_arguments(args: TrainingArguments, cp: int, compute_loss_fun
     for name, why in refusals.items():
         if why:
             raise ValueError(f"{name}: {why} (ContextParallelTrainer)")
+
+
+def _take_fsdp(args: TrainingArguments):
+    """The FSDP2 request of ``args`` as :func:`parallelize` options, and a copy of ``args`` without it
+    (accelerate must not shard the model a second time, nor put DDP around it)."""
+    if not args.fsdp:
+        return None, args
+    config = args.fsdp_config or {}
+    options = {"reshard_after_forward": bool(config.get("reshard_after_forward", True)),
+               "checkpointing": "layer" if (config.get("activation_checkpointing") or args.activation_checkpointing)
+               else "none",
+               "compile": bool(args.torch_compile), "dtype": torch.bfloat16 if args.bf16 else None}
+    args = copy.copy(args)
+    args.fsdp, args.fsdp_plugin_args, args.activation_checkpointing, args.torch_compile = False, None, False, False
+    return options, args
+
+
+class _Sharded(torch.nn.Module):
+    """The FSDP2-sharded model as the Trainer's ``model_wrapped`` (forward and parameters are the model's)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
 
 class ContextParallelTrainer(Trainer):
@@ -105,32 +141,56 @@ class ContextParallelTrainer(Trainer):
         self.context_parallel_size = context_parallel_size
         self.cp_method = cp_method
         self.cp_options = options
+        self.fsdp_options, args = _take_fsdp(args)
         super().__init__(model, args, *rest, **kwargs)
-        self.cp_mesh, self.cp_group = self._build_mesh()
         # compute_loss normalises by the label count of the whole accumulation window itself
         self.loss_is_scaled_for_ga = True
+        self.cp_mesh = self._build_mesh()
         self.model = self._convert(self.model)
+        self.model_wrapped = self.model
+        self.cp_group = self.model.seqpar_cp_group
 
     # ------------------------------------------------------------------------- set-up
 
     def _build_mesh(self):
-        """The ``(dp, cp)`` DeviceMesh over the world (None in a single process) and the cp axis."""
+        """The ``(dp, cp)`` DeviceMesh over the world (None in a single process)."""
         world = self.args.world_size
         if world == 1:
-            return None, None
+            return None
         from torch.distributed.device_mesh import init_device_mesh
 
         device = "cuda" if self.args.device.type == "cuda" else "cpu"
-        mesh = init_device_mesh(device, (world // self.context_parallel_size, self.context_parallel_size),
+        return init_device_mesh(device, (world // self.context_parallel_size, self.context_parallel_size),
                                 mesh_dim_names=("dp", "cp"))
-        return mesh, mesh["cp"]
 
     def _convert(self, model):
-        return apply_context_parallel(model, group=self.cp_group, method=self.cp_method, **self.cp_options)
+        """Context-parallel attention over the mesh's cp axis (USP's groups built once), and FSDP2 when asked."""
+        fsdp = self.fsdp_options or {}
+        return parallelize(model, self.cp_mesh, cp_method=self.cp_method, fsdp=bool(fsdp),
+                           checkpointing=fsdp.get("checkpointing", "none"), compile=fsdp.get("compile", False),
+                           dtype=fsdp.get("dtype"), reshard_after_forward=fsdp.get("reshard_after_forward", True),
+                           **self.cp_options)
 
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
-        return self._convert(model) if getattr(self, "cp_method", None) else model
+        return self._convert(model) if hasattr(self, "cp_mesh") else model  # __init__ converts the first one
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        """FSDP2 (sharded by :meth:`_convert`): hand the Trainer a distinct wrapper object, so that it
+        prepares only the optimizer with accelerate and no DDP is put around the sharded model."""
+        if self.fsdp_options and training:
+            return model if isinstance(model, _Sharded) else _Sharded(model)
+        return super()._wrap_model(model, training, dataloader)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        """The full model (``from_pretrained`` loads it); under FSDP2 every rank joins the gather of
+        the full state dict and the first one writes it."""
+        if not self.fsdp_options:
+            return super().save_model(output_dir, _internal_call)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
 
     @property
     def data_parallel_size(self) -> int:
@@ -201,7 +261,8 @@ class ContextParallelTrainer(Trainer):
         single-process gradient is ``sum_r grad(c_r)`` (global counts) or ``(1/dp) sum_r grad(c_r)``
         (the Trainer's mean over data-parallel devices, per-group counts). DDP and accelerate's FSDP2
         both *average* gradients over the ``W`` ranks, so a rank back-propagates ``W * c_r`` (resp.
-        ``W/dp = cp``) and the average is exactly that sum. The same factor makes the Trainer's logged
+        ``W/dp = cp``) and the average is exactly that sum (FSDP2 from :func:`parallelize` sums instead:
+        there the gradient is taken of ``c_r`` itself, the value stays). The same factor makes the Trainer's logged
         loss right: it averages the ``W`` ranks' returned values, ``(1/W) sum_r W c_r`` = the global
         token mean (or the mean of the groups' token means).
         """
@@ -227,6 +288,9 @@ class ContextParallelTrainer(Trainer):
                                     ignore_index=IGNORE_INDEX, reduction="sum")
             count = torch.as_tensor(num_items_in_batch, dtype=local.dtype, device=local.device).clamp(min=1)
             loss = local * self._loss_scale() / count
+            if self.fsdp_options:  # parallelize's FSDP2 sums the gradients: back-propagate the share itself
+                share = loss / self.args.world_size
+                loss = share + (loss - share).detach()
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
