@@ -91,7 +91,8 @@ CASES_2 = [("llama", "zigzag_ring", "pass_kv", "allgather", 1, 0), ("llama", "ri
            ("windowed", "striped_ring", "pass_q", "allgather", 1, 2),
            ("windowed", "zigzag_ring", "pass_kv", "tree", 1, 3), ("llama", "token_ring", "auto", "auto", 1, 4)]
 CASES_3 = [("llama", "zigzag_ring", "pass_q", "tree", 1, 5), ("windowed", "allgather_kv", "pass_kv", "allgather", 1, 6)]
-CASES_4 = CASES_2 + [("windowed", "lightseq", "pass_q", "tree", 2, 7), ("llama", "ulysses", "pass_kv", "tree", 1, 8)]
+CASES_4 = CASES_2 + [("windowed", "lightseq", "pass_q", "tree", 2, 7), ("llama", "ulysses", "pass_kv", "tree", 1, 8),
+                     ("llama", "usp", "pass_q", "allgather", 1, 9)]
 
 
 def _check(results, cases, n):
@@ -206,3 +207,27 @@ def test_rules():
     assert choose_prefill(100, 100000, 32, 8, 4, flops=1.0, bandwidth=1e18, itemsize=2) == "pass_kv"
     assert choose_combine(4, 1000, 1 << 16) == "allgather"
     assert choose_combine(64, 10000, 1 << 16) == "tree"
+
+
+def test_cli_generate_end_to_end(folders, tmp_path, capsys):
+    """``seqpar generate --nproc 2`` prints what single-process greedy generate() gives."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from seqpar.cli import main
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the river walked into the quiet station and found an ancient letter about the winter")
+    report = tmp_path / "report.json"
+    assert main(["generate", "--model", folders["llama"], "--prompt-file", str(prompt), "--nproc", "2",
+                 "--method", "zigzag_ring", "--max-new-tokens", "5", "--json", str(report), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    got = json.loads(report.read_text())
+    tok = AutoTokenizer.from_pretrained(folders["llama"])
+    ids = tok(prompt.read_text(), return_tensors="pt").input_ids
+    ref = _load(folders["llama"]).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
+                                          do_sample=False, pad_token_id=tok.pad_token_id)
+    assert got["new_tokens"] == ref[0, ids.shape[1]:].tolist()
+    assert got["ranks"] == 2 and got["prompt_tokens"] == ids.shape[1] and len(got["kv_bytes_per_rank"]) == 2
+    assert "tokens/s" in printed and "KV bytes per rank" in printed and got["text"] in printed

@@ -34,6 +34,7 @@ import dataclasses
 import torch
 
 from ...comm import CommStats, group_info
+from ...comm.usp_groups import USPGroups
 from ...softmax import attention
 from ...softmax.sinks import apply_sinks
 from . import cache_ops
@@ -165,6 +166,18 @@ class ShardLayer(CacheLayerMixin):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
+def _same_group(info, group) -> bool:
+    """Whether the model's ``group`` (for usp: its ``USPGroups``) is the cache's group ``info``."""
+    if isinstance(group, USPGroups):
+        if group.flat is not None:
+            return group.flat.global_ranks == info.global_ranks and group.flat.group is info.group
+        mine = set(info.global_ranks)
+        axes = [a for a in (group.ulysses, group.ring) if a is not None]
+        return group.ulysses_degree * group.ring_degree == info.size and all(set(a.global_ranks) <= mine for a in axes)
+    other = group_info(group)
+    return other.global_ranks == info.global_ranks and other.group is info.group
+
+
 def _choice(name: str, value, allowed) -> str:
     if value not in allowed:
         raise ValueError(f"{name}={value!r}: use one of {', '.join(map(repr, allowed))}")
@@ -243,12 +256,11 @@ class ShardedCache(Cache):
 
     def bind(self, group, method: str, options: dict) -> None:
         """The model about to run uses ``group`` / ``method``: the group must be this cache's."""
-        info = group_info(group)
-        if info.global_ranks != self.info.global_ranks or info.group is not self.info.group:
+        if not _same_group(self.info, group):
             raise ValueError(
                 f"past_key_values: this ShardedCache belongs to the group of ranks {list(self.info.global_ranks)}, but "
-                f"the model runs context-parallel over another group (ranks {list(info.global_ranks)}); make one "
-                "ShardedCache per group: ShardedCache(group=<the group given to apply_context_parallel>)")
+                "the model runs context-parallel over another group; make one ShardedCache per group: "
+                "ShardedCache(group=<the group given to apply_context_parallel>)")
         self.method, self.options, self.model_group = method, dict(options), group
 
     def kv_bytes(self) -> int:
