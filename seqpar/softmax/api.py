@@ -14,7 +14,7 @@ from ..comm.agreement import (
     check_ranks_enabled,
     check_same_on_ranks,
 )
-from ..comm.fingerprint import call_fields
+from ..comm.fingerprint import GRAD_FIELD, call_fields
 from ..comm.usp_groups import describe_usp
 from ..kernels import Band, available_backends, check_qkv, select_backend
 from ..layouts import PackedLayout, StreamLayout, check_cu_seqlens, placement
@@ -22,20 +22,21 @@ from ..methods import Method, check_usp_options, check_window, names
 from ..methods import method as declared
 from ..tracing import Trace, begin, end, resolve
 from .checkpoint import active_tape
+from .compiled import compiled_attention
 from .executor import RingAttention, RingConfig
 from .packed import packed_schedule
 from .registry import dense_plan
 from .sinks import check_sinks
 from .stream import stream_setup
-from .ulysses import run_ulysses
-from .usp import run_usp
+from .ulysses import UlyssesAttention, ulysses_setup
+from .usp import usp_setup
 from .window import effective_window
 
 _GRAD_COMM = {None: None, "fp32": torch.float32, "float32": torch.float32, "input": "input"}
 
 
 def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, grad_comm_dtype, info, window=None,
-              ring_method=None, sinks=None):
+              ring_method=None, sinks=None, needs_grad=None):
     spec = declared(method, kind="softmax")
     check_window(spec, window, ring_method)
     check_qkv(q, k, v)
@@ -68,7 +69,8 @@ def _validate(q, k, v, *, method, causal, softmax_scale, cu_seqlens, backend, gr
         masks.append(Band(-1, 0) if causal else Band(-1, 1))
     for mask in masks:
         select_backend(q, k, v, mask=mask, backend=backend)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if needs_grad if needs_grad is not None else (
+                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
             select_backend(q, k, v, mask=mask, backend=backend, for_backward=True)
     return spec
 
@@ -169,6 +171,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     crashes or times out during the call.
     """
     arguments = dict(locals())  # every parameter: the rank agreement covers an option added later too
+    if torch.compiler.is_compiling():  # torch.compile: the call is one opaque op (seqpar.softmax.compiled)
+        return compiled_attention(q, k, v, arguments, _setup)
     return _attend(q, k, v, arguments)
 
 
@@ -176,28 +180,44 @@ def _attend(q, k, v, arguments: dict) -> torch.Tensor:
     """:func:`attention` once its arguments are captured: agreement (unless off), checks, runner."""
     trace = resolve(arguments["trace"])
     begin(trace, "attention fwd")
+    function, args = _setup(q, k, v, arguments, trace=trace)
+    out = function.apply(*args)
+    end(trace, "attention fwd")
+    return out
+
+
+def _setup(q, k, v, arguments: dict, *, trace, first: bool = True, needs_grad: bool | None = None):
+    """The family's autograd Function and its arguments ``(q, k, v, sinks, config)`` for one call.
+
+    ``first``: the call's forward: the rank agreement (unless off) or the offsets check; False
+    rebuilds the configuration of a call already checked (the compiled backward op). ``needs_grad``:
+    whether backward will run (None: grad mode and the tensors say; the compiled op knows it from
+    trace time)."""
     opts = {name: arguments[name] for name in ("group", "method", "causal", "softmax_scale", "cu_seqlens", "backend",
                                                "stats", "grad_comm_dtype", "ulysses_degree", "ring_method", "window",
                                                "sinks")}
     group, method = opts["group"], opts["method"]
     tape = active_tape()
-    if not check_ranks_enabled(arguments["check_ranks"]) or (tape is not None and tape.replaying):
+    replaying = tape is not None and tape.replaying
+    if not first or not check_ranks_enabled(arguments["check_ranks"]) or replaying:
         # (a checkpoint's recomputation replays a call whose arguments the forward checked; the tape
         # verifies that the shapes are the same)
-        call = _prepare(q, k, v, same_offsets_check=tape is None or not tape.replaying, trace=trace, **opts)
+        call = _prepare(q, k, v, same_offsets_check=first and not replaying, trace=trace, needs_grad=needs_grad,
+                        **opts)
     else:
         # the fingerprint carries cu_seqlens: no separate offsets gather
         call = agreed(agreement_groups(group, usp=method == "usp", ulysses_degree=opts["ulysses_degree"]),
-                      "seqpar.attention", _fingerprint(arguments),
-                      lambda: _prepare(q, k, v, same_offsets_check=False, **opts),
+                      "seqpar.attention", _fingerprint(arguments, needs_grad),
+                      lambda: _prepare(q, k, v, same_offsets_check=False, needs_grad=needs_grad, **opts),
                       device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None, trace=trace)
-    out = FAMILIES[call.spec.family](q.contiguous(), k.contiguous(), v.contiguous(), replace(call, trace=trace))
-    end(trace, "attention fwd")
-    return out
+    function, config = FAMILIES[call.spec.family]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return function, (q, k, v, call.sinks, config(q, k, v, replace(call, trace=trace)))
 
 
 def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
-             ulysses_degree, ring_method, window, same_offsets_check: bool, sinks=None, trace=None) -> "CallSpec":
+             ulysses_degree, ring_method, window, same_offsets_check: bool, sinks=None, trace=None,
+             needs_grad=None) -> "CallSpec":
     """Every local check of a call, and its CallSpec. Communicates only for ``same_offsets_check``
     (packed input: the cu_seqlens fingerprint all-gather of :func:`_check_same`, recorded in ``trace``)."""
     check_usp_options(method, ulysses_degree, ring_method)
@@ -224,7 +244,7 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
             packed = _packed_setup(q, k, method, group, cu_seqlens, ulysses_degree, ring_method)
     spec = _validate(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                      backend=backend, grad_comm_dtype=grad_comm_dtype, info=info, window=window,
-                     ring_method=ring_method, sinks=sinks)
+                     ring_method=ring_method, sinks=sinks, needs_grad=needs_grad)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     wire = _GRAD_COMM[grad_comm_dtype]
     if wire == "input":
@@ -234,7 +254,7 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
                     channels=channels, packed=packed, window=window, sinks=sinks)
 
 
-def _fingerprint(arguments: dict) -> dict[str, str]:
+def _fingerprint(arguments: dict, needs_grad: bool | None = None) -> dict[str, str]:
     """What every rank of the group must pass identically: every argument (shapes are per rank, so
     T_local agrees too), and for usp the arrangement resolved from group and ulysses_degree (its
     default comes from each rank's LOCAL_WORLD_SIZE)."""
@@ -245,7 +265,10 @@ def _fingerprint(arguments: dict) -> dict[str, str]:
             derived["usp arrangement (ulysses x ring)"] = f"{axes.ulysses_degree} x {axes.ring_degree}"
         except Exception as exc:  # noqa: BLE001 - the local checks report it; the fingerprint never fails
             derived["usp arrangement (ulysses x ring)"] = f"invalid ({exc})"
-    return call_fields(arguments, derived)
+    fields = call_fields(arguments, derived)
+    if needs_grad is not None:  # the compiled op: its tensors never require grad, trace time said
+        fields[GRAD_FIELD] = repr(needs_grad)
+    return fields
 
 
 @dataclass(frozen=True)
@@ -269,19 +292,21 @@ class CallSpec:
     trace: Trace | None = None  # records this call (seqpar.tracing)
 
 
-def _run_ring(q, k, v, call: CallSpec) -> torch.Tensor:
+def _ring_config(q, k, v, call: CallSpec) -> RingConfig:
     window = effective_window(call.window, call.packed, call.info.size * q.shape[1])
     if call.packed is not None:
         plan = packed_schedule(call.spec, call.packed, call.info.rank, call.causal, window)
     else:
         plan = dense_plan(call.spec, call.info.rank, call.info.size, q.shape[1], call.causal, window)
-    cfg = RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
-                     grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels, trace=call.trace)
-    return RingAttention.apply(q, k, v, call.sinks, cfg)
+    return RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
+                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels, trace=call.trace)
 
 
-# family name -> runner(q, k, v, CallSpec) -> out. A new family adds its module and one entry here.
-FAMILIES = {"ring": _run_ring, "ulysses": run_ulysses, "usp": run_usp}
+# family name -> (autograd Function, its config builder (q, k, v, CallSpec) -> config); the Function
+# takes (q, k, v, sinks, config). A new family adds its module and one entry here (and its saved
+# tensors' shapes to seqpar.softmax.compiled).
+FAMILIES = {"ring": (RingAttention, _ring_config), "ulysses": (UlyssesAttention, ulysses_setup),
+            "usp": (UlyssesAttention, usp_setup)}
 
 
 class SequenceParallelAttention(torch.nn.Module):

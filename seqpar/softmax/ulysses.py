@@ -374,10 +374,14 @@ def ulysses_config(axis: GroupInfo, q, k, call, ring: RingConfig | None = None, 
 
 def run_ulysses(q, k, v, call) -> torch.Tensor:
     """Runner of the ``ulysses`` method: the whole group is the Ulysses axis."""
+    return UlyssesAttention.apply(q, k, v, call.sinks, ulysses_setup(q, k, v, call))
+
+
+def ulysses_setup(q, k, v, call) -> UlyssesConfig:
+    """The :class:`UlyssesConfig` of a ``ulysses`` call (checks the head count first)."""
     check_heads(q, call.info.size, what=f"the {call.info.size} ranks of the group (method='ulysses')")
     packed = None
     window = effective_window(call.window, call.packed, call.info.size * q.shape[1])
     if call.packed is not None:
         packed = packed_heads(call.packed, call.causal, window)
-    return UlyssesAttention.apply(q, k, v, call.sinks,
-                                  ulysses_config(call.info, q, k, call, packed=packed, window=window))
+    return ulysses_config(call.info, q, k, call, packed=packed, window=window)

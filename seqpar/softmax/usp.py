@@ -43,12 +43,17 @@ from ..methods import ring_method
 from .executor import RingConfig
 from .packed import packed_schedule
 from .registry import dense_plan
-from .ulysses import UlyssesAttention, check_heads, ulysses_config
+from .ulysses import UlyssesAttention, UlyssesConfig, check_heads, ulysses_config
 from .window import effective_window
 
 
 def run_usp(q, k, v, call) -> torch.Tensor:
-    """Runner of the ``usp`` method (``call``: the API's validated ``CallSpec``).
+    """Runner of the ``usp`` method (``call``: the API's validated ``CallSpec``)."""
+    return UlyssesAttention.apply(q, k, v, call.sinks, usp_setup(q, k, v, call))
+
+
+def usp_setup(q, k, v, call) -> UlyssesConfig:
+    """The :class:`UlyssesConfig` of a ``usp`` call, its ring axis inside.
 
     Everything that can fail is checked before the first collective (including building groups).
     """
@@ -74,7 +79,7 @@ def run_usp(q, k, v, call) -> torch.Tensor:
         axes = make_usp_groups(axes)
     ring = RingConfig(info=axes.ring, plan=plan, scale=call.scale, backend=call.backend,
                       grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, trace=call.trace)
-    return UlyssesAttention.apply(q, k, v, call.sinks, ulysses_config(axes.ulysses, q, k, call, ring=ring))
+    return ulysses_config(axes.ulysses, q, k, call, ring=ring)
 
 
-__all__ = ["run_usp"]
+__all__ = ["run_usp", "usp_setup"]

@@ -1,0 +1,270 @@
+"""``seqpar.attention`` inside ``torch.compile``: the whole call as two opaque custom ops.
+
+Under ``torch.compile`` (Dynamo tracing, ``torch.compiler.is_compiling()``), :func:`seqpar.attention`
+calls :func:`compiled_attention` instead of running: the graph gets one ``seqpar::attention_fwd``
+node, and its backward one ``seqpar::attention_bwd`` node (``torch.library.custom_op`` with a fake
+implementation and ``register_autograd``). Nothing of the call is traced: the rank agreement, the
+checks, ``cu_seqlens``, the schedules, every message and kernel, and everything that reads Python
+state (the ``seqpar.trace`` and ``seqpar.checkpoint`` context variables, a ``CommStats``) run inside
+the op, when the compiled code runs, exactly as in eager mode: the op calls the same autograd
+Function's ``forward`` and ``backward`` (:mod:`.executor`, :mod:`.ulysses`) that eager mode uses.
+
+Tensors:
+    ``attention_fwd(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], sinks [Hq] | None,
+    cu_seqlens [docs + 1] int | None, key) -> (out [B, T_local, Hq, D], saved)``; ``saved`` are the
+    tensors the Function keeps for backward besides its inputs and ``out``: ring family ``[lse
+    [B, Hq, T_local]]``; Ulysses / USP the head-sharded ``[qh, kh, vh, outh, lse]`` (``[B, U*T_local,
+    h, D]``, lse ``[B, h, U*T_local]``, h this member's heads). lse is float32 (float64 for float64).
+    ``attention_bwd(dout, q, k, v, sinks, cu_seqlens, out, saved, key) -> (dq, dk, dv, dsinks)``
+    (``dsinks`` empty without sinks).
+
+The non-tensor arguments (group, method, causal, window, stats, trace, ...) cannot be op arguments:
+a ProcessGroup, a ``CommStats`` or a ``Trace`` is no tensor, int or string. They are registered once,
+at trace time, under an int ``key`` that the graph carries as a constant. **Why a registry**: the op
+runs long after tracing, in code that only has the graph's constants; it needs the caller's own
+objects back (the stats object the bytes are counted into, the trace recorder, the group), so
+something must map a constant to them, and only the process that traced the graph can. It is kept
+as harmless as a registry can be: *append-only* (a key, once given, always means the same call),
+*keyed by value* (the same call options always get the same key, so it grows with the number of
+distinct call sites and options, not with the number of calls or steps; a ``CommStats`` or
+``Trace`` counts by identity, as it is the caller's recorder), holding no tensors, never read in
+eager mode, and written only at trace time. A graph saved and loaded in another process without
+being traced there again (Dynamo's precompile) would carry keys this process never issued: the op
+then raises instead of guessing.
+
+Backward rebuilds the call's configuration from the key and the saved tensors (the checks run
+again, host-side only, without the rank agreement, which the forward did); schedules are cached.
+Inside the backward op, the trace recorded into is the ``trace=`` argument or the ``seqpar.trace``
+block active when backward runs (eager mode: the one active at forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..comm import group_info
+from ..comm.usp_groups import describe_usp
+from ..methods import method as declared
+from ..tracing import begin, end, resolve
+from .executor import RingAttention
+from .ulysses import UlyssesAttention, split_heads
+
+TENSOR_ARGUMENTS = ("q", "k", "v", "sinks")  # and cu_seqlens when it is a tensor
+
+# How each Function's saved tensors (ctx.save_for_backward order) map to the op's tensors: a name is
+# an input or ``out``, an int the index in the op's ``saved`` output.
+_SAVED = {RingAttention: ("q", "k", "v", "out", 0, "sinks"),
+          UlyssesAttention: (0, 1, 2, 3, 4, "sinks")}
+
+
+class _Identity:
+    """An unhashable option (a ``CommStats``, a list of groups, a ``Trace``) compared by identity."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self):
+        return id(self.value)
+
+    def __eq__(self, other):
+        return isinstance(other, _Identity) and other.value is self.value
+
+
+def _real(value):
+    """The caller's object behind what Dynamo hands a constant function (a ProcessGroup arrives as
+    a fake script object wrapping the real one); lists become tuples."""
+    value = getattr(value, "real_obj", value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_real(x) for x in value)
+    return value
+
+
+def _value(x):
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return _Identity(x)
+
+
+@dataclass(frozen=True)
+class RegisteredCall:
+    """The non-tensor half of one call: ``setup`` (the entry point's function that checks the call
+    and returns its autograd Function and arguments), the options by name, whether ``cu_seqlens``
+    is an op tensor, and whether backward will run (known at trace time, not inside the op)."""
+
+    setup: Callable
+    options: tuple[tuple[str, Any], ...]
+    cu_tensor: bool
+    needs_grad: bool
+
+    def arguments(self, q, k, v, sinks, cu_seqlens) -> dict:
+        """Every argument of the call, as :func:`seqpar.attention` received it."""
+        out = dict(self.options)
+        out.update(q=q, k=k, v=v, sinks=sinks)
+        if self.cu_tensor:
+            out["cu_seqlens"] = cu_seqlens
+        return out
+
+
+_CALLS: list[RegisteredCall] = []  # key -> call; append-only (module docstring)
+_KEYS: dict[tuple, int] = {}  # the call's value -> its key
+
+
+@torch.compiler.assume_constant_result
+def register_call(setup, needs_grad: bool, cu_tensor: bool, **options) -> int:
+    """The key of a call's non-tensor arguments; run by Dynamo at trace time, its result a constant."""
+    options = {name: _real(value) for name, value in options.items()}
+    value = (setup, tuple((n, _value(o)) for n, o in sorted(options.items())), cu_tensor, needs_grad)
+    if value not in _KEYS:
+        _KEYS[value] = len(_CALLS)
+        _CALLS.append(RegisteredCall(setup, tuple(sorted(options.items())), cu_tensor, needs_grad))
+    return _KEYS[value]
+
+
+def _call(key: int) -> RegisteredCall:
+    if not 0 <= key < len(_CALLS):
+        raise RuntimeError(f"seqpar::attention: call key {key} was not issued in this process; a compiled graph "
+                           "that calls seqpar.attention must be traced (torch.compile) in the process that runs it")
+    return _CALLS[key]
+
+
+class _Ctx:
+    """Stands in for autograd's ctx when the op runs a Function's forward or backward directly."""
+
+    def __init__(self, saved=(), cfg=None, needs_input_grad=()):
+        self.saved_tensors, self.cfg, self.needs_input_grad = tuple(saved), cfg, needs_input_grad
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def _standard(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the contiguous strides the fake implementation promises (a copy only when not)."""
+    if t.stride() == torch.empty(t.shape, device="meta").stride():
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _fresh(t: torch.Tensor, others) -> torch.Tensor:
+    """``t``, copied when it shares memory with one of ``others``: an op's outputs may alias neither
+    its inputs nor each other (a one-member Ulysses axis returns its inputs as the head-sharded
+    tensors; allgather_kv's dK, dV are two halves of one reduce-scatter buffer)."""
+    if any(o is not None and o.numel() and t.numel() and o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+           for o in others):
+        return t.clone()
+    return t
+
+
+@torch.library.custom_op("seqpar::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                  cu_seqlens: torch.Tensor | None, key: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    call = _call(key)
+    arguments = call.arguments(q, k, v, sinks, cu_seqlens)
+    trace = resolve(arguments["trace"])
+    begin(trace, "attention fwd")
+    function, args = call.setup(q, k, v, arguments, trace=trace, needs_grad=call.needs_grad)
+    ctx = _Ctx()
+    out = _standard(function.forward(ctx, *args))
+    end(trace, "attention fwd")
+    layout = _SAVED[function]
+    saved = [None] * sum(isinstance(x, int) for x in layout)
+    named = dict(zip(("q", "k", "v", "sinks"), args[:4]), out=out)
+    for where, t in zip(layout, ctx.saved_tensors):
+        if isinstance(where, int):
+            saved[where] = _standard(_fresh(t, (q, k, v, out, *saved[:where])))
+        elif t is not named[where]:
+            raise RuntimeError(f"seqpar::attention_fwd: {function.__name__} saved another tensor than {where}")
+    return out, saved
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, sinks, cu_seqlens, key):
+    call = _call(key)
+    options = dict(call.options)
+    out = q.new_empty(q.shape)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, t, hq, d = q.shape
+    family = declared(options["method"], kind="softmax").family
+    if family == "ring":
+        return out, [q.new_empty((b, hq, t), dtype=acc)]
+    if family == "usp":
+        axes = describe_usp(options["group"], options["ulysses_degree"])
+        u, me = axes.ulysses_degree, axes.u
+    else:
+        info = group_info(options["group"])
+        u, me = info.size, info.rank
+    q_split, kv_split = split_heads(hq, k.shape[2], u)
+    h, hkv = q_split.count(me), kv_split.count(me)
+    return out, [q.new_empty((b, u * t, h, d)), k.new_empty((b, u * t, hkv, d)),
+                 v.new_empty((b, u * t, hkv, v.shape[3])), q.new_empty((b, u * t, h, v.shape[3])),
+                 q.new_empty((b, h, u * t), dtype=acc)]
+
+
+@torch.library.custom_op("seqpar::attention_bwd", mutates_args=())
+def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  sinks: torch.Tensor | None, cu_seqlens: torch.Tensor | None, out: torch.Tensor,
+                  saved: list[torch.Tensor], key: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                torch.Tensor]:
+    call = _call(key)
+    arguments = call.arguments(q, k, v, sinks, cu_seqlens)
+    trace = resolve(arguments["trace"])
+    function, args = call.setup(q, k, v, arguments, trace=trace, first=False, needs_grad=True)
+    named = dict(zip(("q", "k", "v", "sinks"), args[:4]), out=out)
+    ctx = _Ctx([saved[w] if isinstance(w, int) else named[w] for w in _SAVED[function]], args[4],
+               (True, True, True, sinks is not None, False))
+    grads = list(function.backward(ctx, dout)[:4])
+    grads[3] = q.new_empty(0) if grads[3] is None else grads[3]
+    inputs = (dout, q, k, v, sinks, cu_seqlens, out, *saved)
+    for i, g in enumerate(grads):  # (dK, dV may be views of one buffer: allgather_kv's reduce-scatter)
+        grads[i] = _standard(_fresh(g, inputs + tuple(grads[:i])))
+    return tuple(grads)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(dout, q, k, v, sinks, cu_seqlens, out, saved, key):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), (
+        q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks, cu_seqlens, key = inputs
+    out, saved = output
+    ctx.save_for_backward(q, k, v, sinks, cu_seqlens, out, *saved)
+    ctx.key = key
+
+
+def _backward(ctx, dout, _dsaved):
+    q, k, v, sinks, cu_seqlens, out, *saved = ctx.saved_tensors
+    dq, dk, dv, ds = attention_bwd(dout.contiguous(), q, k, v, sinks, cu_seqlens, out, saved, ctx.key)
+    return dq, dk, dv, (ds if sinks is not None and ctx.needs_input_grad[3] else None), None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_attention(q, k, v, arguments: dict, setup: Callable) -> torch.Tensor:
+    """:func:`seqpar.attention` while Dynamo traces: register the options, emit the forward op.
+
+    ``arguments``: every argument of the call by name; ``setup``: the entry point's
+    ``(q, k, v, arguments, *, trace, first=True, needs_grad) -> (Function, args)``.
+    """
+    for name in TENSOR_ARGUMENTS:
+        value = arguments[name]
+        if not isinstance(value, torch.Tensor) and not (name == "sinks" and value is None):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    cu = arguments["cu_seqlens"]
+    cu_tensor = isinstance(cu, torch.Tensor)
+    sinks = arguments["sinks"]
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    options = {name: value for name, value in arguments.items()
+               if name not in TENSOR_ARGUMENTS and not (name == "cu_seqlens" and cu_tensor)}
+    key = register_call(setup, needs_grad, cu_tensor, **options)
+    out, _ = attention_fwd(q, k, v, sinks, cu if cu_tensor else None, key)
+    return out
+
+
+__all__ = ["RegisteredCall", "attention_bwd", "attention_fwd", "compiled_attention", "register_call"]

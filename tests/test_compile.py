@@ -1,0 +1,229 @@
+"""``seqpar.attention`` inside ``torch.compile`` (seqpar.softmax.compiled): compiled == eager.
+
+A small attention block (q/k/v projections, ``seqpar.attention``, output projection) is compiled
+per case, ``fullgraph=True`` and ``False``, and its output and every gradient (input, the four
+projection weights, sinks) must equal the same block run eagerly on the same rank (fp32). Eager
+seqpar is itself checked against float64 references everywhere else; here the claim is that
+compiling changes nothing, so the tolerance is that of re-associated fp32 sums around an identical
+attention: Inductor fuses and reorders the projections' arithmetic (observed differences ~1e-7).
+
+Every compile is verified to have happened: the test's Dynamo backend records each graph, and a case
+passes only when exactly one graph was compiled, it contains ``seqpar.attention_fwd`` (no fallback to
+eager around the attention) and Dynamo counted no graph break. Each run happens in a fresh pool of
+processes (:func:`_fresh`) with Dynamo reset before every case, so no case reuses a compile.
+
+Why the split between default and slow: Inductor on CPU generates and compiles C++ per graph (the
+forward and backward of the block: measured ~25-40 s on this 2-core machine per case, for the first
+compile in a process with more in later ones), while ``aot_eager`` traces the same graphs, runs the
+same fake implementations, partitions forward and backward the same way and runs the same opaque
+op, in ~1-2 s. What can differ between seqpar cases under compile is only what the op and its fake
+do (the output and saved-tensor shapes per family, the registered options), and ``aot_eager`` covers
+all of it; Inductor adds its own code generation of the projections around the op, which does not
+depend on the method. So by default every method (N = 2 and 3, dense and packed, window, sinks, GQA)
+runs under ``aot_eager`` and a subset (one ring schedule, Ulysses and USP with packed input, sinks
+and a window) under Inductor; the whole matrix under Inductor is ``@pytest.mark.slow``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.comm.pool import WorkerPool
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+B, T_GLOBAL, HQ, HKV, D, DIM = 1, 24, 4, 2, 8, 16
+DOCS = [0, 5, 6, 17, 24]  # packed: documents of 5, 1, 11, 7 tokens (one of length 1)
+FP32_COMPILED = 2e-5  # see the module docstring: compiled vs eager fp32, both exact attention
+
+
+class Block(torch.nn.Module):
+    """Projections + ``seqpar.attention`` + output projection, as a decoder layer calls it."""
+
+    def __init__(self, method, *, causal=True, window=None, sinks=False, cu_seqlens=None):
+        super().__init__()
+        gen = torch.Generator().manual_seed(7)
+        self.wq, self.wk, self.wv = (torch.nn.Parameter(torch.randn(DIM, h * D, generator=gen) / DIM ** 0.5)
+                                     for h in (HQ, HKV, HKV))
+        self.wo = torch.nn.Parameter(torch.randn(HQ * D, DIM, generator=gen) / DIM ** 0.5)
+        self.sinks = torch.nn.Parameter(torch.randn(HQ, generator=gen)) if sinks else None
+        self.method, self.causal, self.window, self.cu_seqlens = method, causal, window, cu_seqlens
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = (x @ self.wq).view(b, t, HQ, D)
+        k = (x @ self.wk).view(b, t, HKV, D)
+        v = (x @ self.wv).view(b, t, HKV, D)
+        o = seqpar.attention(q, k, v, method=self.method, causal=self.causal, window=self.window,
+                             sinks=self.sinks, cu_seqlens=self.cu_seqlens)
+        return o.reshape(b, t, HQ * D) @ self.wo
+
+
+def _run(block, x, dy):
+    x = x.detach().clone().requires_grad_()
+    y = block(x)
+    y.backward(dy)
+    grads = [x.grad] + [p.grad.clone() for p in block.parameters()]
+    for p in block.parameters():
+        p.grad = None
+    return y.detach(), grads
+
+
+class _Recorder:
+    """A Dynamo backend that records every graph it compiles, then hands it to ``backend``."""
+
+    def __init__(self, backend):
+        self.backend, self.graphs = backend, []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm.code)
+        from torch._dynamo.backends.registry import lookup_backend
+        return lookup_backend(self.backend)(gm, example_inputs)
+
+
+def _case(method, *, packed, window, sinks, backend, fullgraph):
+    """On one rank: eager vs compiled block on this rank's shard; returns (worst error, compile s)."""
+    import time
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    n = dist.get_world_size()
+    cu = torch.tensor(DOCS, dtype=torch.int32) if packed else None
+    gen = torch.Generator().manual_seed(3)
+    x_global = torch.randn(B, T_GLOBAL, DIM, generator=gen)
+    dy_global = torch.randn(B, T_GLOBAL, DIM, generator=gen)
+    x, dy = (seqpar.shard(t, method=method, cu_seqlens=cu) for t in (x_global, dy_global))
+    block = Block(method, window=window, sinks=sinks, cu_seqlens=cu)
+    y_ref, g_ref = _run(block, x, dy)
+    recorder = _Recorder(backend)
+    compiled = torch.compile(block, backend=recorder, fullgraph=fullgraph)
+    start = time.perf_counter()
+    y, g = _run(compiled, x, dy)
+    seconds = time.perf_counter() - start
+    assert len(recorder.graphs) == 1, f"{len(recorder.graphs)} graphs: the block was split"
+    assert "seqpar.attention_fwd" in recorder.graphs[0], "seqpar.attention is not in the compiled graph"
+    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+    errs = [float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip([y] + g, [y_ref] + g_ref)]
+    y2, _ = _run(compiled, x, dy)  # a second call runs the compiled code without compiling again
+    assert len(recorder.graphs) == 1 and torch.equal(y2, y)
+    return max(errs), seconds, n
+
+
+def _cases(cases, backend, fullgraph):
+    rows = []
+    for c in cases:
+        try:
+            rows.append((c, *_case(c[0], packed=c[1], window=c[2], sinks=c[3], backend=backend, fullgraph=fullgraph)))
+        except Exception as exc:
+            raise AssertionError(f"case {c} ({backend}, fullgraph={fullgraph}): {type(exc).__name__}: {exc}") from exc
+    return rows
+
+
+def _fresh(world, cases, backend, fullgraph, timeout):
+    """Run ``cases`` in a new pool of ``world`` processes (never one that compiled before)."""
+    pool = WorkerPool(world)
+    try:
+        return pool.run(_cases, (cases, backend, fullgraph), {}, timeout=timeout)
+    finally:
+        pool.close(kill=True)
+
+
+def _check(results):
+    for rank, rows in enumerate(results):
+        for case, err, seconds, _ in rows:
+            assert err <= FP32_COMPILED, f"rank {rank} {case}: compiled vs eager error {err:.2e}"
+
+
+def _llama_case(method, packed, backend):
+    """A 2-layer Llama converted with apply_context_parallel, each decoder layer compiled
+    (``fullgraph=True``): loss, logits and every gradient equal the same converted model in eager mode.
+    Returns (worst error, compile seconds)."""
+    import copy
+    import time
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from seqpar.integrations.hf import apply_context_parallel, context_parallel_loss, shard_inputs
+
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    eager = apply_context_parallel(LlamaForCausalLM(config), method=method)
+    compiled = copy.deepcopy(eager)
+    recorders = []
+    for layer in compiled.model.layers:
+        recorders.append(_Recorder(backend))
+        layer.compile(backend=recorders[-1], fullgraph=True)
+    ids = torch.randint(0, 64, (1, T_GLOBAL), generator=torch.Generator().manual_seed(11))
+    cu = torch.tensor(DOCS, dtype=torch.int32) if packed else None
+    batch = shard_inputs(ids, cu_seqlens=cu, method=method)
+    results, seconds = [], 0.0
+    for model in (eager, compiled):
+        start = time.perf_counter()
+        logits = model(**batch.model_kwargs()).logits
+        loss = context_parallel_loss(logits, batch.labels)
+        loss.backward()
+        seconds = time.perf_counter() - start
+        results.append([logits.detach(), loss.detach()] + [p.grad for p in model.parameters()])
+    for rec in recorders:
+        assert rec.graphs and all("seqpar.attention_fwd" in g for g in rec.graphs), "a layer was not compiled"
+    return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+               for a, b in zip(results[1], results[0])), seconds
+
+
+def _inductor_cases(cases, llama):
+    """Inductor, in one fresh process per rank: the block at ``fullgraph=False``, then the Llama layers."""
+    torch._inductor.config.compile_threads = 1  # 2 cores: a pool of compile workers costs more than it saves
+    rows = _cases(cases, "inductor", False)
+    if llama:
+        rows.append((("llama", *llama), *_llama_case(*llama, "inductor"), dist.get_world_size()))
+    return rows
+
+
+def _fresh_inductor(world, cases, llama, timeout):
+    pool = WorkerPool(world)
+    try:
+        return pool.run(_inductor_cases, (cases, llama), {}, timeout=timeout)
+    finally:
+        pool.close(kill=True)
+
+
+ALL = ("ring", "zigzag_ring", "striped_ring", "allgather_kv", "token_ring", "lightseq", "ulysses", "usp")
+# (method, packed, window, sinks); N = 3 splits the 4 query heads unevenly (Ulysses: 2, 1, 1)
+DENSE = [(m, False, None, False) for m in ALL]
+PACKED = [(m, True, None, False) for m in ALL]
+OPTIONS = [("zigzag_ring", False, 5, False), ("ulysses", True, 4, False), ("ring", False, None, True),
+           ("usp", True, None, True)]
+
+
+@pytest.mark.parametrize("n, cases", [(2, DENSE + OPTIONS[:2]), (3, PACKED + OPTIONS[2:])], ids=["n2-dense", "n3-packed"])
+def test_every_method_aot_eager(n, cases):
+    """Every method, dense at N = 2 and packed at N = 3, a window and sinks: fullgraph=True."""
+    _check(_fresh(n, cases, "aot_eager", True, timeout=600))
+
+
+def test_inductor_block_and_llama_layers():
+    """Inductor: the block (zigzag_ring, fullgraph=False) and a converted Llama compiled per layer
+    (fullgraph=True, packed documents, usp), in one fresh pair of processes."""
+    _check(_fresh_inductor(2, [("zigzag_ring", False, None, False)], ("usp", True), timeout=900))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_every_method_inductor(n, fullgraph):
+    """The whole matrix under Inductor (slow: see the module docstring)."""
+    _check(_fresh(n, DENSE + PACKED + OPTIONS, "inductor", fullgraph, timeout=3000))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("method", ALL)
+def test_llama_layers_inductor(n, method):
+    _check(_fresh_inductor(n, [], (method, n == 3), timeout=900))
