@@ -333,3 +333,160 @@ def test_stream_layout_geometry():
         seqpar.packed_layout([0, 4], method="zigzag_ring", split="stream")
     with pytest.raises(ValueError, match="split="):
         seqpar.packed_layout([0, 4], method="ring", split="rows")
+
+
+# ----------------------------------------------------------------------------- the HF adapter
+
+VOCAB = 96
+DOC_LENS = (5, 13, 1, 20, 9, 3)  # a one-token document; documents cross the rank boundaries
+
+
+def _tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    with torch.no_grad():  # larger weights than initializer_range: sharper logits, a sharper comparison
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    return model
+
+
+def _packed_batch(n):
+    """A packed stream of documents (T a multiple of N), restarting position ids, next-token labels
+    inside each document (-100 at each document's last token)."""
+    lens = list(DOC_LENS) + [-sum(DOC_LENS) % n or n]
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=gen)
+    pos = torch.cat([torch.arange(L) for L in lens])[None]
+    labels = torch.full_like(ids, -100)
+    cu = [0]
+    for L in lens:
+        a = cu[-1]
+        labels[0, a:a + L - 1] = ids[0, a + 1:a + L]
+        cu.append(a + L)
+    return ids, pos, labels, cu
+
+
+def _hf_adapter():
+    """Logits and every summed parameter gradient of the drop-in path against the single-process
+    model (sdpa, documents masked apart by the position ids); then use_ring_attn(False) goes back."""
+    import copy
+
+    import torch.distributed as dist
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    rank, n = world()
+    ids, pos, labels, cu = _packed_batch(n)
+    count = int((labels != -100).sum())
+    ref = _tiny_llama()
+    ref.config._attn_implementation = "sdpa"
+    logits_ref = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+    F_ce = torch.nn.functional.cross_entropy
+    (F_ce(logits_ref[0], labels[0], reduction="sum", ignore_index=-100) / count).backward()
+
+    model = copy.deepcopy(ref)
+    model.zero_grad(set_to_none=True)
+    model.config._attn_implementation = "flash_attention_2"
+    before = ALL_ATTENTION_FUNCTIONS.get("flash_attention_2")
+    ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = sdpa_attention_forward  # what use_ring_attn(False) returns to
+    try:
+        rfa.substitute_hf_flash_attn(dist.group.WORLD, heads_k_stride=1)
+        rfa.update_ring_flash_attn_params(torch.tensor(cu, dtype=torch.int32), dist.group.WORLD)
+        t = ids.shape[1] // n
+        mine = slice(rank * t, (rank + 1) * t)
+        logits = model(input_ids=ids[:, mine], position_ids=pos[:, mine], use_cache=False).logits
+        (F_ce(logits[0], labels[0, mine], reduction="sum", ignore_index=-100) / count).backward()
+        gathered = [torch.empty_like(logits) for _ in range(n)]
+        dist.all_gather(gathered, logits.detach().contiguous())
+        errs = {"logits": rel_err(torch.cat(gathered, dim=1), logits_ref.detach())}
+        for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)  # every rank holds its tokens' share of the gradient
+            errs[name] = rel_err(grad, p_ref.grad)
+        rfa.use_ring_attn(False)  # back to the replaced function (sdpa here): causal over the local piece alone
+        with torch.no_grad():
+            local_only = model(input_ids=ids[:, mine], position_ids=pos[:, mine], use_cache=False).logits
+            # the same with the sdpa model (a mask of ones: no document separation from the position ids)
+            alone = ref(input_ids=ids[:, mine], position_ids=pos[:, mine], attention_mask=torch.ones_like(ids[:, mine]),
+                        use_cache=False).logits
+        errs["use_ring_attn(False)"] = rel_err(local_only, alone)
+    finally:
+        rfa.use_ring_attn(True)
+        ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = before
+    return errs
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_hf_adapter_matches_single_process_model(n):
+    """substitute_hf_flash_attn + update_ring_flash_attn_params on a tiny GQA Llama fed contiguous
+    pieces of a packed stream: gathered logits and summed gradients equal the single-process model's
+    (fp32: two summation orders of the same rounding, 2e-5 of the largest magnitude)."""
+    for rank, errs in enumerate(run_distributed(_hf_adapter, n, timeout=TIMEOUT)):
+        assert len(errs) > 10  # logits, every parameter, the switch
+        for name, e in errs.items():
+            assert e <= FP32_TOL, f"rank {rank} {name}: error {e:.2e} > {FP32_TOL:.0e}"
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+def _bad_inputs():
+    """Each bad call on every rank; returns (label, exception type name, message) per case."""
+    rank, n = world()
+    q = torch.randn(1, 4 * n, 4, 8)
+    kv = torch.randn(1, 4 * n, 2, 8)
+    flat_q, flat_kv = q[0], kv[0]
+    cu = torch.tensor([0, 2 * n, 4 * n], dtype=torch.int32)
+    cq, ck, mq, mk, ks = rfa.llama3_flash_attn_prepare_cu_seqlens(torch.tensor([0, 3, 4 * n * n]), True, rank, n)
+    wrong_slice = slice(ks.start + 1, ks.stop) if rank == n - 1 else ks  # a mistake on the last rank only
+    calls = {
+        "dropout_p": lambda: rfa.ring_flash_attn_func(q, kv, kv, dropout_p=0.1, causal=True),
+        "alibi_slopes": lambda: rfa.zigzag_ring_flash_attn_func(q, kv, kv, alibi_slopes=torch.ones(4), causal=True),
+        "window_size": lambda: rfa.stripe_flash_attn_func(q, kv, kv, causal=False, window_size=(2, 3)),
+        "qkv": lambda: rfa.ring_flash_attn_qkvpacked_func(torch.randn(1, 4 * n, 2, 4, 8), causal=True),
+        "cu_seqlens": lambda: rfa.zigzag_ring_flash_attn_varlen_func(
+            flat_q, flat_kv, flat_kv, torch.tensor([0, 1, 4 * n], dtype=torch.int32), 4 * n, causal=True),
+        "varlen dropout_p": lambda: rfa.ring_flash_attn_varlen_func(flat_q, flat_kv, flat_kv, cu // n, 2, dropout_p=0.5),
+        "heads_k_stride": lambda: rfa.llama3_flash_attn_varlen_func(
+            torch.randn(4 * n, 4, 8), torch.randn(4 * n, 2, 8), torch.randn(4 * n, 2, 8), cq, ck, mq, mk, 3, ks,
+            causal=True),
+        "local_k_slice": lambda: rfa.llama3_flash_attn_varlen_func(
+            torch.randn(4 * n, 4, 8), torch.randn(4 * n, 2, 8), torch.randn(4 * n, 2, 8), cq, ck, mq, mk, 1,
+            wrong_slice, causal=True),
+        "prepare": lambda: rfa.llama3_flash_attn_prepare_cu_seqlens(torch.tensor([0, 4 * n + 1]), True, rank, n),
+        "update_ring_flash_attn_params": lambda: rfa.update_ring_flash_attn_params(torch.tensor([0, 4 * n + 1]), None),
+        "stream method": lambda: seqpar.attention(q, kv, kv, method="zigzag_ring", causal=True,
+                                                  cu_seqlens=seqpar.packed_layout([0, 4 * n * n], method="ring",
+                                                                                  split="stream")),
+    }
+    out = []
+    for label, call in calls.items():
+        try:
+            call()
+            out.append((label, None, ""))
+        except Exception as exc:  # noqa: BLE001 - the test inspects every rank's exception
+            out.append((label, type(exc).__name__, str(exc)))
+    return out
+
+
+EXPECTED = {"dropout_p": "dropout_p=0.1", "alibi_slopes": "alibi_slopes", "window_size": "symmetric",
+            "qkv": r"qkv has shape", "cu_seqlens": "multiple of 2N", "varlen dropout_p": "dropout_p=0.5",
+            "heads_k_stride": "heads_k_stride=3", "local_k_slice": "local_k_slice|rank", "prepare": "multiple of the",
+            "update_ring_flash_attn_params": "multiple of the", "stream method": "method='ring'"}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bad_inputs_raise_on_every_rank(n):
+    """Refused options and inconsistent arguments raise ValueError naming the argument on every rank
+    (a mistake on one rank only too), and the ranks stay usable: nothing hangs."""
+    import re
+
+    for rank, rows in enumerate(run_distributed(_bad_inputs, n, timeout=TIMEOUT)):
+        assert [r[0] for r in rows] == list(EXPECTED)
+        for label, kind, message in rows:
+            assert kind == "ValueError", f"rank {rank} {label}: {kind}: {message}"
+            assert re.search(EXPECTED[label], message), f"rank {rank} {label}: {message}"

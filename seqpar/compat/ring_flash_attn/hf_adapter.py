@@ -31,8 +31,7 @@ from .llama3 import cached_stream_layout
 
 _NAME = "flash_attention_2"
 # The peer's forced global state: set by the three public functions below, read by the attention.
-_STATE: dict = {"group": None, "heads_k_stride": None, "layout": None, "enabled": True, "previous": None,
-                "substituted": False}
+_STATE: dict = {"group": None, "heads_k_stride": None, "layout": None, "enabled": True, "previous": None}
 
 
 def substitute_hf_flash_attn(process_group, heads_k_stride: int):
@@ -46,10 +45,11 @@ def substitute_hf_flash_attn(process_group, heads_k_stride: int):
     if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1:
         raise ValueError(f"heads_k_stride={heads_k_stride!r}: expected a positive int")
     group_info(process_group)  # a bad group fails here, not in the first forward
-    if not _STATE["substituted"]:
-        _STATE["previous"] = ALL_ATTENTION_FUNCTIONS.get(_NAME)
+    current = ALL_ATTENTION_FUNCTIONS.get(_NAME)
+    if current is not ring_flash_attention_forward:  # what use_ring_attn(False) goes back to
+        _STATE["previous"] = current
     ALL_ATTENTION_FUNCTIONS[_NAME] = ring_flash_attention_forward
-    _STATE.update(group=process_group, heads_k_stride=heads_k_stride, substituted=True)
+    _STATE.update(group=process_group, heads_k_stride=heads_k_stride)
 
 
 def update_ring_flash_attn_params(cu_seqlens: torch.Tensor, process_group):
@@ -88,6 +88,8 @@ def ring_flash_attention_forward(module, query, key, value, attention_mask, drop
     """The function put in ``ALL_ATTENTION_FUNCTIONS["flash_attention_2"]``: q ``(1, Hq, T_local, D)``,
     k, v ``(1, Hkv, T_local, D)`` (K,V heads not repeated) -> ``((1, T_local, Hq, D), None)``."""
     if not _STATE["enabled"]:
+        if _STATE["previous"] is None:
+            raise ValueError("use_ring_attn(False): there is no previous flash_attention_2 function to go back to")
         return _STATE["previous"](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, **kwargs)
     name = type(module).__name__
