@@ -108,7 +108,7 @@ def _check(results, cases, n):
         decodes = {h[2] for h in phases if h[0] == "decode"}
         if prefill != "auto":
             assert turn2[1] == prefill and decodes == {combine}, (case, phases)
-        else:  # the rule's own choices for this shape (GQA 4/2; partials far below the threshold)
+        else:  # the rule's own choices for this shape (GQA 4/2; small partials: the all-gather)
             assert turn2[1] == choose_prefill(TURN, PROMPT + NEW - 1 + NEW, 4, 2, n, flops=4e14, bandwidth=5e10,
                                               itemsize=4)
             assert decodes == {"allgather"}
@@ -205,8 +205,11 @@ def test_rules():
     assert choose_prefill(1000, 1000, 32, 8, 4, flops=1e18, bandwidth=1.0, itemsize=2) == "pass_kv"
     assert choose_prefill(100, 100000, 32, 8, 4, flops=1e18, bandwidth=1.0, itemsize=2) == "pass_q"
     assert choose_prefill(100, 100000, 32, 8, 4, flops=1.0, bandwidth=1e18, itemsize=2) == "pass_kv"
-    assert choose_combine(4, 1000, 1 << 16) == "allgather"
-    assert choose_combine(64, 10000, 1 << 16) == "tree"
+    # decode: the all-gather's N - 1 latencies against the tree's 4 log2 N
+    assert choose_combine(4, 16512, 128, latency=1e-5, bandwidth=5e10) == "allgather"
+    assert choose_combine(64, 16512, 128, latency=1e-5, bandwidth=5e10) == "tree"
+    assert choose_combine(16, 16512, 128, latency=1e-5, bandwidth=5e10) == "allgather"
+    assert choose_combine(16, 64 * 16512, 64 * 128, latency=1e-5, bandwidth=5e10) == "tree"  # batch 64: by size
 
 
 def test_cli_generate_end_to_end(folders, tmp_path, capsys):

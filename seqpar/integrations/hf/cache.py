@@ -198,16 +198,16 @@ class ShardedCache(Cache):
             ``"decode"``); default a new one (``cache.stats``).
         check_tokens: check with one small all-reduce per forward that every rank passes the same
             tokens (sampling with different seeds per rank would otherwise diverge silently).
-        kernel_flops, link_bandwidth: flop/s of the block kernel and bytes/s of one link, for the
-            prefill rule (defaults: an H100's bf16 attention, ~400 TFLOP/s, and 50 GB/s RDMA).
-        combine_bytes: the gathered-partials size up to which the decode combine is an all-gather.
+        kernel_flops, link_bandwidth, link_latency: flop/s of the block kernel, bytes/s and seconds
+            per message of one link, for the two rules (defaults: an H100's bf16 attention, ~400
+            TFLOP/s, 50 GB/s RDMA, 10 us).
     Attributes: ``history`` (one dict per forward: phase, past, new, the prefill and combine used),
     :meth:`kv_bytes`, :meth:`comm_summary`.
     """
 
     def __init__(self, group=None, *, prefill: str = "auto", decode_combine: str = "auto",
                  stats: CommStats | None = None, check_tokens: bool = True, kernel_flops: float = 4e14,
-                 link_bandwidth: float = 5e10, combine_bytes: int = 1 << 16):
+                 link_bandwidth: float = 5e10, link_latency: float = 1e-5):
         self.prefill = _choice("prefill", prefill, PREFILL_MODES)
         self.decode_combine = _choice("decode_combine", decode_combine, COMBINE_MODES)
         if stats is not None and not isinstance(stats, CommStats):
@@ -217,7 +217,7 @@ class ShardedCache(Cache):
         self.info = group_info(group)
         self.stats = stats if stats is not None else CommStats()
         self.check_tokens = bool(check_tokens)
-        self.kernel_flops, self.link_bandwidth, self.combine_bytes = kernel_flops, link_bandwidth, combine_bytes
+        self.kernel_flops, self.link_bandwidth, self.link_latency = kernel_flops, link_bandwidth, link_latency
         self.length = 0
         self.step: Step | None = None
         self.method: str | None = None
@@ -356,8 +356,8 @@ class ShardedCache(Cache):
         out, lse = cache_ops.local_partial(q, [(0, step.new, step.past)], layer.keys, layer.values, layer.positions,
                                            scale=scale, window=window, backend=backend)
         if step.combine is None:
-            partial = out.shape[0] * out.shape[1] * out.shape[2] * (out.shape[3] + 1) * 4
+            rows = out.shape[0] * out.shape[1] * out.shape[2]
             step.combine = self.decode_combine if self.decode_combine != "auto" else cache_ops.choose_combine(
-                n, partial, self.combine_bytes)
+                n, rows * (out.shape[3] + 1) * 4, rows * 4, latency=self.link_latency, bandwidth=self.link_bandwidth)
         self.stats.phase = "decode"
         return cache_ops.combine_replicated(self.info, out, lse, step.combine, stats=self.stats)

@@ -106,7 +106,7 @@ def _agree(cache: ShardedCache, x: torch.Tensor) -> None:
     """One all-reduce (max of x and of -x): every rank must pass the same tokens."""
     flat = x.detach().reshape(-1).to(torch.float64)
     both = torch.cat([flat, -flat])
-    all_reduce_(cache.info, both, op=torch.distributed.ReduceOp.MAX, name="check_tokens")
+    all_reduce_(cache.info, both, op=torch.distributed.ReduceOp.MAX, stats=cache.stats, name="check_tokens")
     if not torch.equal(both[:flat.numel()], -both[flat.numel():]):
         raise ValueError(
             "input_ids: the ranks passed different tokens to a context-parallel forward (with sampling: seed every "

@@ -22,13 +22,15 @@ Shapes: queries ``[B, Tq, Hq, D]``; slots ``k``, ``v`` ``[B, S, Hkv, D]`` with p
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...comm import all_gather_stack, all_reduce_, all_to_all
 from ...comm.p2p import exchange
 from ...kernels import Band, block_forward_into, merge_, new_accumulator
 
-__all__ = ["choose_combine", "choose_prefill", "combine_replicated", "local_partial", "pass_kv", "pass_q",
+__all__ = ["choose_combine", "choose_prefill", "combine_replicated", "combine_seconds", "local_partial", "pass_kv", "pass_q",
            "query_runs"]
 
 
@@ -177,7 +179,21 @@ def choose_prefill(new: int, past: int, hq: int, hkv: int, n: int, *, flops: flo
     return "pass_kv" if new / max(1, past + new) >= 2.0 * hkv / hq else "pass_q"
 
 
-def choose_combine(n: int, partial_bytes: int, threshold: int) -> str:
-    """``"allgather"`` (one collective, (N-1)·partial bytes received) while the gathered partials
-    stay under ``threshold`` bytes, else ``"tree"`` (two all-reduces, ~2·partial bytes each)."""
-    return "allgather" if n * partial_bytes <= threshold else "tree"
+def combine_seconds(n: int, partial_bytes: int, lse_bytes: int, *, latency: float, bandwidth: float) -> dict:
+    """Modelled seconds of the two decode combines on links of ``latency`` s and ``bandwidth`` B/s:
+    the ring all-gather of the ``partial_bytes`` (out, lse) of every member, ``(N-1)·(α + m/β)``, and
+    the tree combine, two all-reduces (the ``lse_bytes`` max, then the partial sums) each up and down
+    a binary tree, ``2·ceil(log2 N)`` steps of ``α + m/β``."""
+    if n <= 1:
+        return {"allgather": 0.0, "tree": 0.0}
+    depth = 2 * math.ceil(math.log2(n))
+    return {"allgather": (n - 1) * (latency + partial_bytes / bandwidth),
+            "tree": depth * (2 * latency + (lse_bytes + partial_bytes) / bandwidth)}
+
+
+def choose_combine(n: int, partial_bytes: int, lse_bytes: int, *, latency: float, bandwidth: float) -> str:
+    """``"allgather"`` (one collective, N - 1 steps) or ``"tree"`` (two all-reduces of log N depth),
+    whichever :func:`combine_seconds` models faster: the all-gather up to ~16 ranks for a decode
+    step's small partials, the tree beyond, and sooner for large batches."""
+    t = combine_seconds(n, partial_bytes, lse_bytes, latency=latency, bandwidth=bandwidth)
+    return "allgather" if t["allgather"] <= t["tree"] else "tree"
