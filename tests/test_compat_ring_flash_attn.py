@@ -490,3 +490,33 @@ def test_bad_inputs_raise_on_every_rank(n):
         for label, kind, message in rows:
             assert kind == "ValueError", f"rank {rank} {label}: {kind}: {message}"
             assert re.search(EXPECTED[label], message), f"rank {rank} {label}: {message}"
+
+
+# ----------------------------------------------------------------------------- the examples
+
+
+def _torchrun_example(name: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / name
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert res.returncode == 0, f"{name} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res.stdout
+
+
+def test_dropin_example_under_torchrun():
+    """examples/ring_flash_attn_dropin.py: 2 ranks, its own assertion against single-process attention."""
+    assert "max |local - single-process|" in _torchrun_example("ring_flash_attn_dropin.py")
+
+
+@pytest.mark.slow
+def test_axolotl_example_under_torchrun():
+    out = _torchrun_example("axolotl_style.py")
+    assert out.count("step ") == 5 and "loss" in out
