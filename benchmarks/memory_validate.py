@@ -37,19 +37,30 @@ import time
 
 import torch
 
-#: the validated configurations: (world, cp, method, checkpointing, dtype, seq)
+#: the validated model and configurations: (world, cp, method, checkpointing, dtype, seq, loss_chunk);
+#: loss_chunk 0: context_parallel_loss over the full logits, else seqpar.integrations.loss's chunks;
+#: method "usp:2": usp with a Ulysses degree of 2 (and a ring across)
 MODEL = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 3, "num_attention_heads": 6,
          "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 65536}
 CASES = (
-    (2, 2, "zigzag_ring", "none", "float32", 8192),
-    (4, 4, "ring", "layer", "float32", 16384),
-    (4, 2, "allgather_kv", "attention", "float32", 8192),
-    (2, 2, "ulysses", "none", "bfloat16", 8192),
-    (4, 2, "zigzag_ring", "layer", "bfloat16", 16384),
+    (2, 2, "zigzag_ring", "none", "float32", 8192, 0),
+    (4, 4, "ring", "layer", "float32", 16384, 0),
+    (4, 2, "allgather_kv", "attention", "float32", 8192, 0),
+    (2, 2, "ulysses", "none", "bfloat16", 8192, 0),
+    (4, 2, "zigzag_ring", "layer", "bfloat16", 16384, 0),
+    (2, 2, "zigzag_ring", "attention", "bfloat16", 8192, 1024),
+    (2, 2, "token_ring", "none", "float32", 8192, 1024),
+    (4, 4, "usp:2", "none", "float32", 8192, 1024),
 )
 QUICK = ({"hidden_size": 256, "intermediate_size": 640, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 16384},
-         (2, 2, "zigzag_ring", "none", "float32", 4096))
+         (2, 2, "zigzag_ring", "none", "float32", 4096, 0))
+
+
+def _method(spec: str) -> tuple[str, dict]:
+    """``"usp:2"`` -> ``("usp", {"ulysses_degree": 2})``."""
+    name, _, degree = spec.partition(":")
+    return name, ({"ulysses_degree": int(degree)} if degree else {})
 
 
 def _phase(fn):
@@ -92,31 +103,47 @@ def build(config: dict, cp: int, method: str, checkpointing: str, dtype: str):
     mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**config, attention_dropout=0.0, tie_word_embeddings=False)).train()
-    parallelize(model, mesh, cp_method=method, checkpointing=checkpointing,
-                dtype=None if dtype == "float32" else dtype)
+    name, options = _method(method)
+    parallelize(model, mesh, cp_method=name, checkpointing=checkpointing,
+                dtype=None if dtype == "float32" else dtype, **options)
     # foreach=False: one parameter's temporaries at a time (torch's default on CPU; the plan's "cpu" device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     return model, opt, model.seqpar_cp_group
 
 
-def _measure_rank(config: dict, cp: int, method: str, checkpointing: str, dtype: str, seq: int) -> dict:
+def _measure_rank(config: dict, cp: int, method: str, checkpointing: str, dtype: str, seq: int,
+                  loss_chunk: int = 0) -> dict:
+    import torch.distributed as dist
+
     from seqpar.integrations.hf import context_parallel_loss, shard_inputs
 
     model, opt, cp_group = build(config, cp, method, checkpointing, dtype)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config["vocab_size"], (1, seq), generator=g)
-    batch = shard_inputs(ids, group=cp_group, method=method)
+    batch = shard_inputs(ids, group=cp_group, method=_method(method)[0])
+    held = {}
 
     def forward():
-        logits = model(**batch.model_kwargs()).logits
-        return logits, context_parallel_loss(logits, batch.labels, group=cp_group)
+        if loss_chunk:  # the chunked loss: this rank's token-loss sum / the global label count
+            from seqpar.integrations.loss import causal_lm_loss
+
+            kwargs = batch.model_kwargs()
+            count = torch.tensor(float(seq - 1))  # every label but the last is valid
+            held["loss"] = causal_lm_loss(model, kwargs.pop("input_ids"), batch.labels, chunk_size=loss_chunk,
+                                          **kwargs) / count
+        else:  # the full logits, kept by the caller until backward is done (as a training loop does)
+            held["logits"] = model(**batch.model_kwargs()).logits
+            held["loss"] = context_parallel_loss(held["logits"], batch.labels, group=cp_group)
+
+    def backward():
+        held.pop("loss").backward()
+        held.clear()
 
     def step(measure: bool) -> dict:
         phases = {}
         run = _phase if measure else (lambda fn: (fn(), 0, 0))
-        (logits, loss), phases["forward"], live_f = run(forward)
-        _, phases["backward"], live_b = run(loss.backward)
-        del logits, loss
+        _, phases["forward"], live_f = run(forward)
+        _, phases["backward"], live_b = run(backward)
         _, phases["optimizer"], _ = run(lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
         return {"peaks": phases, "starts": {"forward": 0, "backward": live_f, "optimizer": live_f + live_b}}
 
@@ -126,30 +153,35 @@ def _measure_rank(config: dict, cp: int, method: str, checkpointing: str, dtype:
     m = step(True)
     peak_phase = max(m["peaks"], key=lambda p: m["starts"][p] + m["peaks"][p])
     peak = static + m["starts"][peak_phase] + m["peaks"][peak_phase]
+    dist.barrier()
     return {"static": static, "peak": peak, "peak_phase": peak_phase, **m}
 
 
-def predict(config: dict, world: int, cp: int, method: str, checkpointing: str, dtype: str, seq: int):
+def predict(config: dict, world: int, cp: int, method: str, checkpointing: str, dtype: str, seq: int,
+            loss_chunk: int = 0):
     from seqpar.bench.memory_plan import ModelShape, Setup, plan
 
-    return plan(ModelShape.from_dict(config), Setup(seq=seq, world=world, cp=cp, method=method,
-                                                    checkpointing=checkpointing, dtype=dtype,
-                                                    loss_chunk=None, device="cpu"))
+    name, options = _method(method)
+    return plan(ModelShape.from_dict(config), Setup(seq=seq, world=world, cp=cp, method=name,
+                                                    checkpointing=checkpointing, dtype=dtype, loss_chunk=loss_chunk,
+                                                    device="cpu", **options))
 
 
 def validate(config: dict, case: tuple, timeout: float = 900.0) -> dict:
     """One configuration: measured on ``world`` gloo ranks and predicted; the row of the results."""
     from seqpar.comm.pool import WorkerPool
 
-    world, cp, method, checkpointing, dtype, seq = case
+    world, cp, method, checkpointing, dtype, seq, loss_chunk = case
     t0 = time.perf_counter()
     threads = max(1, (os.cpu_count() or 2) // world)
     with contextlib.closing(WorkerPool(world, threads_per_rank=threads)) as pool:
-        ranks = pool.run(_measure_rank, (config, cp, method, checkpointing, dtype, seq), {}, timeout=timeout)
+        ranks = pool.run(_measure_rank, (config, cp, method, checkpointing, dtype, seq, loss_chunk), {},
+                         timeout=timeout)
     busiest = max(ranks, key=lambda r: r["peak"])
-    p = predict(config, world, cp, method, checkpointing, dtype, seq)
+    p = predict(config, world, cp, method, checkpointing, dtype, seq, loss_chunk)
     return {"world": world, "cp": cp, "dp": world // cp, "method": method, "checkpointing": checkpointing,
-            "dtype": dtype, "seq": seq, "measured": busiest["peak"], "measured_phase": busiest["peak_phase"],
+            "dtype": dtype, "seq": seq, "loss_chunk": loss_chunk, "measured": busiest["peak"],
+            "measured_phase": busiest["peak_phase"],
             "measured_static": busiest["static"], "measured_phases": busiest["peaks"],
             "measured_starts": busiest["starts"], "predicted": p.peak, "predicted_phase": p.peak_phase,
             "predicted_components": p.components(), "error": p.peak / busiest["peak"] - 1,
@@ -188,12 +220,13 @@ def write_results(rows: list[dict], config: dict, command: str, out_dir: str) ->
         "(torch.profiler `profile_memory=True`: every allocation and free, summed in time order) - the busiest "
         "rank. It excludes the Python interpreter, gloo's own buffers and glibc arenas, which the plan does not "
         "count either. Predicted: `seqpar memory ... --device cpu --loss-chunk 0`.", "",
-        "| world | cp | dp | method | checkpointing | dtype | tokens | measured MiB | measured at | predicted MiB "
-        "| predicted at | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| world | cp | dp | method | checkpointing | dtype | tokens | loss | measured MiB | measured at "
+        "| predicted MiB | predicted at | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['world']} | {r['cp']} | {r['dp']} | {r['method']} | {r['checkpointing']} | {r['dtype']} "
-                     f"| {r['seq']} | {r['measured'] / mib:.1f} | {r['measured_phase']} | {r['predicted'] / mib:.1f} "
+                     f"| {r['seq']} | {'chunks of %d' % r['loss_chunk'] if r['loss_chunk'] else 'full logits'} "
+                     f"| {r['measured'] / mib:.1f} | {r['measured_phase']} | {r['predicted'] / mib:.1f} "
                      f"| {r['predicted_phase']} | {_pct(r['error'])} |")
     worst = max(abs(r["error"]) for r in rows)
     lines += ["", f"Largest error: {100 * worst:.1f}% (target: within 10%)."]

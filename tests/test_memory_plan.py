@@ -20,7 +20,7 @@ BENCH_DIR = str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
 
 
 def _setup(**kw) -> Setup:
-    base = dict(seq=8, world=2, cp=2, method="zigzag_ring", checkpointing="none", dtype="float32", loss_chunk=None,
+    base = dict(seq=8, world=2, cp=2, method="zigzag_ring", checkpointing="none", dtype="float32", loss_chunk=0,
                 device="cpu")
     return Setup(**{**base, **kw})
 
@@ -66,6 +66,16 @@ def test_moments_by_hand():
     # allgather_kv holds every rank's K,V: cp 2 x 2 x 16 bytes a token
     assert attention_buffers(TINY, _setup(method="allgather_kv"))["forward"] == 64 + 40 + 40
     assert attention_buffers(TINY, _setup(method="allgather_kv", cp=4, world=4))["forward"] == 4 * 32 + 40 + 40
+    # the chunked loss, chunks of 2 tokens, fp32: the hidden-state gradient 4 x 8 x 4 tokens = 128 and the
+    # head's fp32 gradient 4 x 10 x 8 = 320 from the start; at a chunk's weight gradient its fp32 softmax
+    # 4 x 2 x 10 = 80 and the product g.T @ h 4 x 10 x 8 = 320; the full logits are never kept
+    from seqpar.bench.memory_plan import loss_terms
+
+    assert loss_terms(TINY, _setup(loss_chunk=2)) == {"forward": 448 + 400, "backward": 448, "kept": 0}
+    # bfloat16: the hidden gradient 2 x 8 x 4 = 64; at the weight gradient the chunk's fp32 softmax 80, its
+    # bf16 copy 40 and the bf16 product 160; backward casts the head's fp32 gradient to bf16 (160)
+    assert loss_terms(TINY, _setup(loss_chunk=2, dtype="bfloat16")) == {"forward": 384 + 280, "backward": 384 + 160,
+                                                                        "kept": 0}
     p = plan(TINY, _setup())
     assert p.peak == max(sum(v.values()) for _, v in p.moments)
     assert sum(p.components().values()) == p.peak
@@ -79,7 +89,7 @@ def test_checkpointing_and_cp_lower_the_peak_of_a_real_model():
     peaks = {ck: plan(m, Setup(seq=131072, world=8, cp=8, checkpointing=ck)).peak for ck in ("none", "attention", "layer")}
     assert peaks["none"] > peaks["attention"] > peaks["layer"]
     assert plan(m, Setup(seq=131072, world=8, cp=4)).peak > plan(m, base).peak
-    assert plan(m, Setup(seq=131072, world=8, cp=8, loss_chunk=None)).peak > plan(m, base).peak
+    assert plan(m, Setup(seq=131072, world=8, cp=8, loss_chunk=0)).peak > plan(m, base).peak
 
 
 def test_longest_fit_is_the_boundary():
@@ -170,6 +180,6 @@ def test_measured_peak_within_10_percent():
     ranks = run_distributed(_measure, 2, config, 2, "zigzag_ring", "layer", "float32", seq, timeout=300)
     measured = max(r["peak"] for r in ranks)
     predicted = plan(ModelShape.from_dict(config), Setup(seq=seq, world=2, cp=2, method="zigzag_ring",
-                                                         checkpointing="layer", dtype="float32", loss_chunk=None,
+                                                         checkpointing="layer", dtype="float32", loss_chunk=0,
                                                          device="cpu")).peak
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)

@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     a("--checkpointing", default="none", help=f"{' | '.join(CHECKPOINTING)} (as seqpar train)")
     a("--dtype", default="bfloat16", help=f"compute dtype: {', '.join(DTYPES)} (fp32 master weights either way)")
     a("--micro-batch", type=int, default=1, help="sequences per rank and step (default 1)")
-    a("--loss-chunk", type=int, default=4096, help="tokens per chunk of the chunked loss (0: the full logits)")
+    a("--loss-chunk", type=int, default=None, help="tokens per chunk of the chunked loss (default: 256 MiB of fp32 "
+      "logits, as seqpar.integrations.loss; 0: the full logits)")
     a("--device", default="cuda", help="cuda (FSDP2 prefetches in forward) or cpu")
     a("--device-memory", default=None, help="per-device memory, e.g. 80GB, 80GiB: fits? the longest --seq that fits")
     a("--headroom", type=float, default=0.10, help="fraction of --device-memory left for what the plan does not "
@@ -48,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 def _setup(args, seq: int) -> Setup:
     cp = args.world if args.cp is None else args.cp
     return Setup(seq=seq, world=args.world, cp=cp, method=args.method, checkpointing=args.checkpointing,
-                 dtype=args.dtype, micro_batch=args.micro_batch, loss_chunk=args.loss_chunk or None,
+                 dtype=args.dtype, micro_batch=args.micro_batch, loss_chunk=args.loss_chunk,
                  device=args.device, ulysses_degree=args.ulysses_degree)
 
 
@@ -58,8 +59,6 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def _run(args, argv) -> dict:
-    if args.loss_chunk < 0:
-        raise ValueError(f"--loss-chunk={args.loss_chunk}: a positive number of tokens, or 0 for the full logits")
     model = load_model(args.model)
     limit = None
     if args.device_memory is not None:

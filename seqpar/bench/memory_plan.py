@@ -26,9 +26,10 @@ Checkpointing keeps per layer only its input ``e·h`` (``"layer"``), plus the at
 lse (``"attention"``: the recomputation replays them), and recomputes one layer at a time in
 backward. The methods' own buffers (K,V ring double buffers, all-gathered K,V, Ulysses head shards,
 fp32 out/lse and dK/dV accumulators) are live only inside one layer's attention: see
-:func:`attention_buffers`. The loss is either the full ``[T, V]`` logits (``loss_chunk=None``: the
-compute-dtype logits, their fp32 copy, log-softmax and its gradients) or chunks of ``loss_chunk``
-tokens (:func:`loss_terms`). FSDP2 holds the root's gathered parameters (embeddings, final norm,
+:func:`attention_buffers`. The loss is either chunks of ``loss_chunk`` tokens (the default, as
+:func:`seqpar.integrations.loss.causal_lm_loss` computes it) or the full ``[T, V]`` logits
+(``loss_chunk=0``: the compute-dtype logits, their fp32 copy, log-softmax and its gradients); see
+:func:`loss_terms`. FSDP2 holds the root's gathered parameters (embeddings, final norm,
 head) from forward to the end of backward, one or two gathered layers (the current and the
 prefetched one), and per layer in backward its compute-dtype gradients and the fp32 reduce-scatter
 input.
@@ -103,7 +104,8 @@ class ModelShape:
 @dataclass(frozen=True)
 class Setup:
     """One run's setup. ``seq``: tokens per sequence (global); ``world`` = dp·cp ranks; ``loss_chunk``:
-    tokens per loss chunk (None: the whole local sequence's logits at once); ``device``: ``"cuda"``
+    tokens per loss chunk (None: the default of
+    :mod:`seqpar.integrations.loss`, 256 MiB of fp32 logits; 0: the full ``[T, V]`` logits at once); ``device``: ``"cuda"``
     (FSDP2 prefetches the next layer in forward too) or ``"cpu"``; ``ranks_per_node``: USP's default
     Ulysses degree is gcd(cp, ranks_per_node) unless ``ulysses_degree`` is given."""
 
@@ -114,7 +116,7 @@ class Setup:
     checkpointing: str = "none"
     dtype: str = "bfloat16"
     micro_batch: int = 1
-    loss_chunk: int | None = 4096
+    loss_chunk: int | None = None
     device: str = "cuda"
     ranks_per_node: int = 8
     ulysses_degree: int | None = None
@@ -130,8 +132,9 @@ class Setup:
             raise ValueError(f"--checkpointing={self.checkpointing!r}: choose one of {', '.join(CHECKPOINTING)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if self.loss_chunk is not None and (isinstance(self.loss_chunk, bool) or self.loss_chunk < 1):
-            raise ValueError(f"--loss-chunk={self.loss_chunk!r}: expected a positive number of tokens (0: unchunked)")
+        if self.loss_chunk is not None and (isinstance(self.loss_chunk, bool) or self.loss_chunk < 0):
+            raise ValueError(f"--loss-chunk={self.loss_chunk!r}: expected a number of tokens per chunk (0: the "
+                             "full logits; default: 256 MiB of fp32 logits, as seqpar.integrations.loss)")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"--device={self.device!r}: 'cuda' or 'cpu'")
         unit = self.cp * declared(self.method).layout_multiple
@@ -248,23 +251,43 @@ def attention_buffers(m: ModelShape, s: Setup) -> dict[str, int]:
     return {"forward": fwd, "backward": bwd}
 
 
-def loss_terms(m: ModelShape, s: Setup) -> dict[str, int]:
-    """Bytes of the loss at its forward and backward peaks, and the logits kept during backward.
+#: seqpar.integrations.loss's default chunk: 256 MiB of one chunk's fp32 logits
+LOSS_CHUNK_BYTES = 256 * 2**20
 
-    Unchunked (``loss_chunk=None``): the ``[T, V]`` logits in the compute dtype (kept by the model
-    output until backward ends: counted in every backward moment), their fp32 copy (bfloat16/float16), log-softmax's fp32 output (saved);
-    backward: the gradients of the loss and of log-softmax ``8V`` per token and the compute-dtype
-    copy. Chunked: the same per chunk of ``loss_chunk`` tokens, recomputed in backward; nothing kept.
+
+def loss_chunk_tokens(m: ModelShape, s: Setup) -> int | None:
+    """Tokens per loss chunk: ``loss_chunk``, or by default as :mod:`seqpar.integrations.loss` chooses
+    (256 MiB of fp32 logits: 512 tokens at a 128K vocabulary); None for the full logits (``loss_chunk=0``)."""
+    if s.loss_chunk == 0:
+        return None
+    return s.loss_chunk if s.loss_chunk is not None else max(1, LOSS_CHUNK_BYTES // (4 * m.vocab))
+
+
+def loss_terms(m: ModelShape, s: Setup) -> dict[str, int]:
+    """Bytes of the loss at its forward and backward peaks, and what stays during backward (``kept``).
+
+    Full logits (``loss_chunk=0``; ``context_parallel_loss`` over ``model(...).logits``): the ``[T, V]``
+    logits in the compute dtype (kept by the model's output until backward ends), their fp32 copy
+    (bfloat16/float16; not saved), log-softmax's fp32 output (saved); backward: the gradients of the
+    loss and of log-softmax, ``8V`` per token. Chunked (:func:`seqpar.integrations.loss.causal_lm_loss`:
+    gradients computed in forward, chunk by chunk): the hidden states' gradient ``e·h·T`` and the head's
+    fp32 gradient ``4·V·h`` accumulate in forward; per chunk of c tokens its logits in the compute
+    dtype and in fp32, the softmax in place, its compute-dtype copy and the chunk's weight-gradient
+    product ``e·V·h``; backward casts the head's gradient to the compute dtype ``e·V·h``.
     """
-    e, V = s.e, m.vocab
+    e, V, h = s.e, m.vocab, m.hidden
     cast = 4 if e != 4 else 0
-    if s.loss_chunk is None:
+    c = loss_chunk_tokens(m, s)
+    if c is None:
         T = s.tokens
         return {"forward": T * (e * V + cast * V + 4 * V), "backward": T * (e * V + 4 * V + 8 * V),
                 "kept": T * e * V}
-    c = min(s.loss_chunk, s.tokens)
-    return {"forward": c * (e * V + cast * V + 4 * V), "backward": c * (e * V + cast * V + 4 * V + 8 * V + e * V),
-            "kept": 0}
+    c = min(c, s.tokens)
+    grads = e * h * s.tokens + 4 * V * h
+    at_cast = c * V * (e + cast)  # the chunk's logits in the compute dtype and their fp32 copy
+    at_weight_grad = 4 * c * V + (e * c * V if e != 4 else 0) + e * V * h  # softmax, its cast, g.T @ h
+    return {"forward": grads + max(at_cast, at_weight_grad),
+            "backward": grads + (e * V * h if e != 4 else 0), "kept": 0}
 
 
 @dataclass(frozen=True)
@@ -299,6 +322,18 @@ def _static(m: ModelShape, s: Setup) -> dict[str, int]:
     return {"parameters": 4 * shard, "optimizer": 8 * shard}
 
 
+def _kept_beside_recompute(m: ModelShape, s: Setup, kept: int) -> int:
+    """What a checkpointed layer keeps that its recomputation does not hold again (per token): in
+    float32 the first norm saves the layer input itself, and ``"attention"``'s out and lse are the
+    recorded tensors the replay hands back."""
+    if s.checkpointing == "none":
+        return 0
+    shared = 4 * m.hidden if s.e == 4 else 0
+    if s.checkpointing == "attention":
+        shared += kept - s.e * m.hidden
+    return kept - shared
+
+
 def moments(m: ModelShape, s: Setup) -> tuple[tuple[str, dict], ...]:
     """The step's moments, each ``{component: bytes}`` (components: parameters, optimizer, gradients,
     fsdp, activations, layer, attention, loss); see the module docstring for what each holds."""
@@ -328,7 +363,7 @@ def moments(m: ModelShape, s: Setup) -> tuple[tuple[str, dict], ...]:
     for i in range(L - 1, -1, -1):
         common = {**static, "gradients": (L - 1 - i) * g_shard,
                   "fsdp": root + head_grad + 2 * lay + lay + in_flight,
-                  "activations": T * (i * kept + glob + (kept if s.checkpointing != "none" else 0)),
+                  "activations": T * (i * kept + glob + _kept_beside_recompute(m, s, kept)),
                   "loss": loss["kept"]}
         mlp = T * (full + e * h + 2 * e * m.intermediate)
         attn = T * (norm + saved["attention"] + 2 * e * h)
