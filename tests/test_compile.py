@@ -43,7 +43,7 @@ FP32_COMPILED = 2e-5  # see the module docstring: compiled vs eager fp32, both e
 class Block(torch.nn.Module):
     """Projections + ``seqpar.attention`` + output projection, as a decoder layer calls it."""
 
-    def __init__(self, method, *, causal=True, window=None, sinks=False, cu_seqlens=None):
+    def __init__(self, method, *, causal=True, window=None, sinks=False, cu_seqlens=None, stats=None):
         super().__init__()
         gen = torch.Generator().manual_seed(7)
         self.wq, self.wk, self.wv = (torch.nn.Parameter(torch.randn(DIM, h * D, generator=gen) / DIM ** 0.5)
@@ -51,6 +51,7 @@ class Block(torch.nn.Module):
         self.wo = torch.nn.Parameter(torch.randn(HQ * D, DIM, generator=gen) / DIM ** 0.5)
         self.sinks = torch.nn.Parameter(torch.randn(HQ, generator=gen)) if sinks else None
         self.method, self.causal, self.window, self.cu_seqlens = method, causal, window, cu_seqlens
+        self.stats = stats
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -58,16 +59,17 @@ class Block(torch.nn.Module):
         k = (x @ self.wk).view(b, t, HKV, D)
         v = (x @ self.wv).view(b, t, HKV, D)
         o = seqpar.attention(q, k, v, method=self.method, causal=self.causal, window=self.window,
-                             sinks=self.sinks, cu_seqlens=self.cu_seqlens)
+                             sinks=self.sinks, cu_seqlens=self.cu_seqlens, stats=self.stats)
         return o.reshape(b, t, HQ * D) @ self.wo
 
 
-def _run(block, x, dy):
+def _run(block, x, dy, params=None):
+    params = list(block.parameters() if params is None else params)
     x = x.detach().clone().requires_grad_()
     y = block(x)
     y.backward(dy)
-    grads = [x.grad] + [p.grad.clone() for p in block.parameters()]
-    for p in block.parameters():
+    grads = [x.grad] + [p.grad.clone() for p in params]
+    for p in params:
         p.grad = None
     return y.detach(), grads
 
@@ -80,6 +82,7 @@ class _Recorder:
 
     def __call__(self, gm, example_inputs):
         self.graphs.append(gm.code)
+        self.keys = [n.args[-1] for n in gm.graph.nodes if "attention_fwd" in str(n.target)]
         from torch._dynamo.backends.registry import lookup_backend
         return lookup_backend(self.backend)(gm, example_inputs)
 
@@ -111,7 +114,59 @@ def _case(method, *, packed, window, sinks, backend, fullgraph):
     errs = [float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip([y] + g, [y_ref] + g_ref)]
     y2, _ = _run(compiled, x, dy)  # a second call runs the compiled code without compiling again
     assert len(recorder.graphs) == 1 and torch.equal(y2, y)
+    if backend == "aot_eager":  # the fake implementation's shapes, strides and dtypes are the real ones'
+        _opcheck(block, x, recorder.keys[0])
     return max(errs), seconds, n
+
+
+def _opcheck(block, x, key):
+    b, t, _ = x.shape
+    q = (x @ block.wq).view(b, t, HQ, D).detach().requires_grad_()
+    k = (x @ block.wk).view(b, t, HKV, D).detach().requires_grad_()
+    v = (x @ block.wv).view(b, t, HKV, D).detach().requires_grad_()
+    sinks = None if block.sinks is None else block.sinks.detach().requires_grad_()
+    torch.library.opcheck(torch.ops.seqpar.attention_fwd.default, (q, k, v, sinks, block.cu_seqlens, key),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def _recorders():
+    """CommStats, seqpar.trace and seqpar.checkpoint around a compiled block: the same bytes, the
+    same trace events and the same gradients as eager; under seqpar.checkpoint the attention forward
+    runs once (its bytes are counted once). Then ranks that pass different arguments to a compiled
+    call raise ValueError on every rank (the agreement runs inside the op)."""
+    from seqpar.comm import CommStats
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(4)
+    x, dy = (seqpar.shard(torch.randn(B, T_GLOBAL, DIM, generator=gen), method="zigzag_ring") for _ in range(2))
+    runs = {}
+    for compiled in (False, True):
+        for checkpointed in (False, True):
+            stats, rec = CommStats(), seqpar.Trace()
+            block = Block("zigzag_ring", stats=stats)
+            fn = torch.compile(block, backend="aot_eager", fullgraph=True) if compiled else block
+            if checkpointed:
+                fn = (lambda inner: lambda t: seqpar.checkpoint(inner, t))(fn)
+            with seqpar.trace(rec):
+                y, grads = _run(fn, x, dy, block.parameters())
+            kinds = [(e["type"], e.get("name"), e.get("phase")) for e in rec.events]
+            runs[compiled, checkpointed] = (y, grads, dict(stats.sent), kinds)
+    y, grads, sent, _ = runs[False, False]
+    assert sent
+    for (compiled, checkpointed), (y2, grads2, sent2, kinds2) in runs.items():
+        name = f"compiled={compiled}, checkpointed={checkpointed}"
+        assert torch.equal(y2, y) and all(torch.equal(a, b) for a, b in zip(grads2, grads)), name
+        assert sent2 == sent, f"{name}: bytes {sent2} != eager {sent} (checkpointing must not repeat the forward)"
+        assert kinds2 == runs[False, checkpointed][3], f"{name}: trace events differ from eager"
+    # the rank agreement runs inside the compiled op: ranks that disagree all raise, naming the argument
+    q, k, v = (seqpar.shard(torch.randn(1, T_GLOBAL, h, D, generator=gen), method="zigzag_ring")
+               for h in (HQ, HKV, HKV))
+    causal = dist.get_rank() == 0
+    disagree = torch.compile(lambda q, k, v: seqpar.attention(q, k, v, causal=causal), backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(ValueError, match="causal"):
+        disagree(q, k, v)
+    return True
 
 
 def _cases(cases, backend, fullgraph):
@@ -124,11 +179,15 @@ def _cases(cases, backend, fullgraph):
     return rows
 
 
-def _fresh(world, cases, backend, fullgraph, timeout):
-    """Run ``cases`` in a new pool of ``world`` processes (never one that compiled before)."""
+def _fresh(world, cases, backend, fullgraph, timeout, then=None):
+    """Run ``cases`` in a new pool of ``world`` processes (never one that compiled before), then
+    ``then()`` on every rank of the same pool (which must return True)."""
     pool = WorkerPool(world)
     try:
-        return pool.run(_cases, (cases, backend, fullgraph), {}, timeout=timeout)
+        rows = pool.run(_cases, (cases, backend, fullgraph), {}, timeout=timeout)
+        if then is not None:
+            assert all(pool.run(then, (), {}, timeout=timeout))
+        return rows
     finally:
         pool.close(kill=True)
 
@@ -204,8 +263,9 @@ OPTIONS = [("zigzag_ring", False, 5, False), ("ulysses", True, 4, False), ("ring
 
 @pytest.mark.parametrize("n, cases", [(2, DENSE + OPTIONS[:2]), (3, PACKED + OPTIONS[2:])], ids=["n2-dense", "n3-packed"])
 def test_every_method_aot_eager(n, cases):
-    """Every method, dense at N = 2 and packed at N = 3, a window and sinks: fullgraph=True."""
-    _check(_fresh(n, cases, "aot_eager", True, timeout=600))
+    """Every method, dense at N = 2 and packed at N = 3, a window and sinks: fullgraph=True; then
+    (same processes) stats, trace and seqpar.checkpoint around a compiled block."""
+    _check(_fresh(n, cases, "aot_eager", True, timeout=600, then=_recorders if n == 2 else None))
 
 
 def test_inductor_block_and_llama_layers():
