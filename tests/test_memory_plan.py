@@ -115,8 +115,10 @@ def test_search_prefers_small_cp_and_light_checkpointing():
 
 
 def test_cli_table_json_plot(tmp_path, capsys):
+    from seqpar.cli import main as seqpar_main
+
     png = tmp_path / "m.png"
-    assert main(["--model", "llama3-8b", "--seq", "128k", "--world", "8", "--checkpointing", "layer",
+    assert seqpar_main(["memory", "--model", "llama3-8b", "--seq", "128k", "--world", "8", "--checkpointing", "layer",
                  "--device-memory", "80GB", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "activations" in out and "fits" in out and "longest sequence" in out

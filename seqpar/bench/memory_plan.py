@@ -347,7 +347,7 @@ def moments(m: ModelShape, s: Setup) -> tuple[tuple[str, dict], ...]:
     root, lay = e * m.root_params, e * m.layer_params
     g_shard = 4 * -(-m.layer_params // s.world)
     fwd_layers = 2 if s.device == "cuda" else 1  # CUDA: the next layer's all-gather runs ahead
-    rs = 4 * m.layer_params + (4 * m.layer_params if e != 4 else 0)  # fp32 copy of the grads, reduce-scatter input
+    rs = 4 * m.layer_params  # the fp32 reduce-scatter input the layer's gradients are copied (and cast) into
     head_grad = e * m.vocab * h
     out = []
     if s.checkpointing == "none":
@@ -359,10 +359,12 @@ def moments(m: ModelShape, s: Setup) -> tuple[tuple[str, dict], ...]:
     acts = T * (L * kept + glob + norm)
     out.append(("loss forward", {**static, "fsdp": root, "activations": acts, "loss": loss["forward"]}))
     out.append(("loss backward", {**static, "fsdp": root, "activations": acts, "loss": loss["backward"]}))
-    in_flight = rs if s.device == "cuda" else 0  # the previous layer's reduce-scatter on its own stream
+    # CUDA: the previous layer's reduce-scatter input is held until its stream finishes (FSDP2 waits on it
+    # at the next layer's end); on CPU (gloo) the reduce-scatter has finished before the next layer starts
+    in_flight = rs if s.device == "cuda" else 0
     for i in range(L - 1, -1, -1):
-        common = {**static, "gradients": (L - 1 - i) * g_shard,
-                  "fsdp": root + head_grad + 2 * lay + lay + in_flight,
+        common = {**static, "gradients": (L - 1 - i) * g_shard,  # gathered: this layer and the prefetched one
+                  "fsdp": root + head_grad + 2 * lay + lay + in_flight,  # + this layer's unsharded gradients
                   "activations": T * (i * kept + glob + _kept_beside_recompute(m, s, kept)),
                   "loss": loss["kept"]}
         mlp = T * (full + e * h + 2 * e * m.intermediate)
