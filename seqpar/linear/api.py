@@ -117,6 +117,17 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     :class:`seqpar.PeerError` when a peer rank crashes or times out during the call.
     """
     arguments = dict(locals())  # every parameter: the rank agreement covers an option added later too
+    if torch.compiler.is_compiling():  # torch.compile: run between two graphs (see _between_graphs)
+        return _between_graphs(arguments)
+    return _linear(arguments)
+
+
+def _linear(arguments: dict):
+    """:func:`linear_attention` once its arguments are captured."""
+    q, k, v, g, group, trace = (arguments[n] for n in ("q", "k", "v", "g", "group", "trace"))
+    method, scale, initial_state, output_final_state, cu_seqlens, stats, backend, check_ranks = (
+        arguments[n] for n in ("method", "scale", "initial_state", "output_final_state", "cu_seqlens", "stats",
+                               "backend", "check_ranks"))
     trace = resolve(trace)
     begin(trace, "linear fwd")
     info = group_info(group)
@@ -131,6 +142,14 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                       lambda: _prepare(q, k, v, g, info, *args),
                       device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None, trace=trace)
     return _launch(q, k, v, g, initial_state, *prepared)
+
+
+# Linear attention is not yet an opaque op under torch.compile: its backward needs Python state of the
+# forward's exchange, and packed input's saved-state shapes depend on cu_seqlens' values. Dynamo runs
+# it eagerly between two graphs instead (a graph break; fullgraph=True raises with this reason).
+_between_graphs = torch.compiler.disable(
+    _linear, reason="seqpar.linear_attention runs outside torch.compile graphs (a graph break): compile with "
+                    "fullgraph=False, or compile the code around it; seqpar.attention (softmax) compiles fully")
 
 
 def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend,
