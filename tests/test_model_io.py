@@ -114,9 +114,20 @@ def test_meta_model_loads_like_from_pretrained(tmp_path, kind):
     _assert_same(AutoModelForCausalLM.from_pretrained(str(out)), _reference(path))
 
 
+def test_bf16_checkpoint_into_fp32_master_weights(tmp_path):
+    path = llama_folder(tmp_path / "m", dtype=torch.bfloat16)
+    folder = load_folder(path)
+    model = build_meta_model(folder.config)
+    load_sharded_weights(model, folder)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, ref.state_dict()[name]), name  # bf16 -> fp32 is exact
+
+
 # ---------------------------------------------------------------- FSDP2 on gloo ranks
 
-def _fsdp_load_and_export(path: str, out: str | None):
+def _fsdp_load_and_export(path: str, out: str | None, extra: str | None = None, extra_mesh_shape=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -136,15 +147,29 @@ def _fsdp_load_and_export(path: str, out: str | None):
     tied = model.lm_head.weight is embed
     if out is not None:
         export_hf(model, out, config=folder.config, tokenizer=folder.tokenizer)
+    if extra is not None:  # gpt-oss: 2 experts over 4 ranks leave 2 ranks with empty expert shards
+        extra_mesh = (init_device_mesh("cpu", extra_mesh_shape, mesh_dim_names=("replicate", "shard"))
+                      if extra_mesh_shape else mesh)
+        other = build_meta_model(load_folder(extra).config)
+        for layer in other.model.layers:
+            fully_shard(layer, mesh=extra_mesh)
+        fully_shard(other, mesh=extra_mesh)
+        load_sharded_weights(other, extra)
+        experts = other.model.layers[0].mlp.experts.down_proj
+        assert experts.to_local().shape[0] == (0 if dist.get_rank() >= experts.shape[0] else 1) or extra_mesh_shape
+        _assert_same(other, _reference(extra))
     return tied
 
 
 @pytest.mark.parametrize("world,tied,sharded", [(1, False, True), pytest.param(2, True, False, marks=pytest.mark.slow),
                                                  (4, True, True)])
 def test_fsdp_shards_load_and_export(tmp_path, world, tied, sharded):
+    """A sharded model's parameters equal from_pretrained's; its export loads back the same."""
     path = llama_folder(tmp_path / "m", tied=tied, sharded=sharded)
     out = tmp_path / "export" if world != 2 else None
-    assert run_distributed(_fsdp_load_and_export, world, str(path), out and str(out), timeout=240) == [tied] * world
+    extra = str(windowed_folder(tmp_path / "w")) if world == 4 else None
+    assert run_distributed(_fsdp_load_and_export, world, str(path), out and str(out), extra,
+                           timeout=240) == [tied] * world
     if out is None:
         return
     exported = AutoModelForCausalLM.from_pretrained(str(out))
@@ -165,3 +190,11 @@ def test_export_refuses_non_empty_folder_on_every_rank(tmp_path):
     with pytest.raises(ValueError, match="--export-hf: .* exists and is not an empty folder"):
         run_distributed(_export_into, 2, str(tmp_path / "out"), timeout=120)
     assert os.listdir(tmp_path / "out") == ["keep.txt"]
+
+
+@pytest.mark.slow
+def test_hsdp_shards_load(tmp_path):
+    """HSDP (fully_shard over a 2-D mesh: replicate 2 x shard 2): each replica holds the same rows."""
+    path = llama_folder(tmp_path / "m", tied=False)
+    run_distributed(_fsdp_load_and_export, 4, str(path), None, str(windowed_folder(tmp_path / "w")), (2, 2),
+                    timeout=240)
