@@ -473,6 +473,11 @@ def _bad_inputs():
             wrong_slice, causal=True),
         "prepare": lambda: rfa.llama3_flash_attn_prepare_cu_seqlens(torch.tensor([0, 4 * n + 1]), True, rank, n),
         "update_ring_flash_attn_params": lambda: rfa.update_ring_flash_attn_params(torch.tensor([0, 4 * n + 1]), None),
+        "one rank's dropout_p": lambda: rfa.ring_flash_attn_func(q, kv, kv, dropout_p=0.1 if rank == n - 1 else 0.0,
+                                                                 causal=True),
+        "one rank's cu_seqlens": lambda: rfa.zigzag_ring_flash_attn_varlen_func(
+            flat_q, flat_kv, flat_kv, torch.tensor([0, 1 if rank == 0 else 2, 4 * n], dtype=torch.int32), 4 * n,
+            causal=True),
         "stream method": lambda: seqpar.attention(q, kv, kv, method="zigzag_ring", causal=True,
                                                   cu_seqlens=seqpar.packed_layout([0, 4 * n * n], method="ring",
                                                                                   split="stream")),
@@ -490,7 +495,8 @@ def _bad_inputs():
 EXPECTED = {"dropout_p": "dropout_p=0.1", "alibi_slopes": "alibi_slopes", "window_size": "symmetric",
             "qkv": r"qkv has shape", "cu_seqlens": "multiple of 2N", "varlen dropout_p": "dropout_p=0.5",
             "heads_k_stride": "heads_k_stride=3", "local_k_slice": "local_k_slice|rank", "prepare": "multiple of the",
-            "update_ring_flash_attn_params": "multiple of the", "stream method": "method='ring'"}
+            "update_ring_flash_attn_params": "multiple of the", "one rank's dropout_p": "dropout_p=0.1",
+            "one rank's cu_seqlens": "multiple of 2N", "stream method": "method='ring'"}
 
 
 @pytest.mark.parametrize("n", [2, 3])

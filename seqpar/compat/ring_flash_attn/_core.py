@@ -2,7 +2,8 @@
 seqpar's (or refused), the call itself, and the log-sum-exp of ``return_attn_probs``.
 
 The output always comes from :func:`seqpar.attention` (its checks, rank agreement, tracing and
-checkpointing apply). ``return_attn_probs=True`` also needs the merged log-sum-exp, which
+checkpointing apply). The peer's own arguments are checked first, on every rank, by :func:`checked`:
+a mistake made on one rank only raises on every rank instead of leaving the others waiting. ``return_attn_probs=True`` also needs the merged log-sum-exp, which
 ``seqpar.attention`` does not return: it is taken from one more forward run of the same schedule on
 seqpar's executor (no autograd), so asking for it costs a second attention forward.
 """
@@ -14,6 +15,7 @@ import math
 import torch
 
 from seqpar.comm import group_info
+from seqpar.comm.agreement import agreed, check_ranks_enabled
 from seqpar.methods import method as declared
 from seqpar.softmax import attention
 from seqpar.softmax.executor import RingConfig, ring_forward
@@ -62,6 +64,25 @@ def window_of(window_size, causal: bool) -> int | None:
         raise ValueError(f"window_size={window_size!r}: with causal=False seqpar's sliding window is symmetric; "
                          "pass equal sides (w, w), or (-1, -1) for none")
     return None if left == -1 else left + 1
+
+
+def checked(group, entry: str, fields: dict, local_checks, *, like=None):
+    """``local_checks()`` (no communication) with seqpar's rank agreement around it
+    (:func:`seqpar.comm.agreement.agreed`, ceil(log2 N) small messages; off with
+    ``SEQPAR_CHECK_RANKS=0``): an error on any rank raises on every rank, and ``fields`` (the
+    options every rank must pass alike) are compared. ``like``: an input tensor (its CUDA device
+    carries the messages on NCCL groups). Returns what ``local_checks`` returned."""
+    if not check_ranks_enabled(None):
+        return local_checks()
+    device = like.device if isinstance(like, torch.Tensor) and like.is_cuda else None
+    return agreed([group_info(group)], entry, fields, local_checks, device=device)
+
+
+def option_fields(x, **options) -> dict:
+    """What every rank passes alike: the local input's dtype and number of dims, and the options."""
+    fields = {"input": f"{x.dim()}-D {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__}
+    fields.update({name: repr(value) for name, value in options.items()})
+    return fields
 
 
 def attend(q, k, v, *, method: str, causal: bool, softmax_scale, window, group, cu_seqlens=None,

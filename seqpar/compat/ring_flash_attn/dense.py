@@ -23,14 +23,23 @@ results do not depend on it).
 
 from __future__ import annotations
 
-from ._core import attend, check_options, result
+import torch
+
+from ._core import attend, check_options, checked, option_fields, result
 
 
-def _run(method, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+def _run(method, inputs, unpack, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
          return_attn_probs, group):
-    window = check_options(dropout_p=dropout_p, alibi_slopes=alibi_slopes, window_size=window_size,
-                           deterministic=deterministic, return_attn_probs=return_attn_probs, causal=causal,
-                           softmax_scale=softmax_scale)
+    def local():
+        q, k, v = unpack(*inputs)
+        window = check_options(dropout_p=dropout_p, alibi_slopes=alibi_slopes, window_size=window_size,
+                               deterministic=deterministic, return_attn_probs=return_attn_probs, causal=causal,
+                               softmax_scale=softmax_scale)
+        return q, k, v, window
+
+    fields = option_fields(inputs[0], causal=causal, window_size=window_size, dropout_p=dropout_p,
+                           softmax_scale=softmax_scale, return_attn_probs=return_attn_probs)
+    q, k, v, window = checked(group, f"ring_flash_attn ({method})", fields, local, like=inputs[0])
     out, lse = attend(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, window=window,
                       group=group, return_lse=return_attn_probs)
     return result(out, lse, return_attn_probs)
@@ -38,8 +47,9 @@ def _run(method, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_s
 
 def _split(packed, parts: int, argument: str):
     """``[B, T, parts, H, D]`` -> ``parts`` views ``[B, T, H, D]`` (ValueError for another shape)."""
-    if packed.dim() != 5 or packed.shape[2] != parts:
-        raise ValueError(f"{argument} has shape {tuple(packed.shape)}: expected [B, T_local, {parts}, H, D]")
+    if not isinstance(packed, torch.Tensor) or packed.dim() != 5 or packed.shape[2] != parts:
+        raise ValueError(f"{argument} has shape {tuple(getattr(packed, 'shape', ()))}: expected "
+                         f"[B, T_local, {parts}, H, D]")
     return tuple(packed[:, :, i] for i in range(parts))
 
 
@@ -48,20 +58,18 @@ def _family(method: str, doc: str):
 
     def func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
              deterministic=False, return_attn_probs=False, group=None):
-        return _run(method, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-                    return_attn_probs, group)
+        return _run(method, (q, k, v), lambda *x: x, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                    deterministic, return_attn_probs, group)
 
     def kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                       alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
-        k, v = _split(kv, 2, "kv")
-        return _run(method, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-                    return_attn_probs, group)
+        return _run(method, (q, kv), lambda q, kv: (q, *_split(kv, 2, "kv")), dropout_p, softmax_scale, causal,
+                    window_size, alibi_slopes, deterministic, return_attn_probs, group)
 
     def qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                        alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
-        q, k, v = _split(qkv, 3, "qkv")
-        return _run(method, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-                    return_attn_probs, group)
+        return _run(method, (qkv,), lambda qkv: _split(qkv, 3, "qkv"), dropout_p, softmax_scale, causal,
+                    window_size, alibi_slopes, deterministic, return_attn_probs, group)
 
     for f, form in ((func, "q, k, v"), (kvpacked_func, "q and kv = stack([k, v], dim=2)"),
                     (qkvpacked_func, "qkv = stack([q, k, v], dim=2)")):

@@ -27,6 +27,7 @@ from seqpar.comm import group_info
 from seqpar.layouts import check_cu_seqlens
 from seqpar.softmax import attention
 
+from ._core import checked, option_fields
 from .llama3 import cached_stream_layout
 
 _NAME = "flash_attention_2"
@@ -93,24 +94,29 @@ def ring_flash_attention_forward(module, query, key, value, attention_mask, drop
         return _STATE["previous"](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, **kwargs)
     name = type(module).__name__
-    _refuse(name, attention_mask, dropout, softcap, kwargs)
     layout, group = _STATE["layout"], _STATE["group"]
-    if layout is None:
-        raise ValueError("cu_seqlens: call update_ring_flash_attn_params(cu_seqlens, process_group) with the batch's "
-                         "global offsets before the forward")
-    if query.shape[0] != 1:
-        raise ValueError(f"query has batch size {query.shape[0]}: ring attention takes one packed stream per rank "
-                         "(batch size 1); pack the batch's documents into one sequence")
-    if key.shape[1] % _STATE["heads_k_stride"]:
-        raise ValueError(f"heads_k_stride={_STATE['heads_k_stride']} does not divide {name}'s {key.shape[1]} K,V "
-                         "heads; pass a divisor to substitute_hf_flash_attn")
+
+    def local():
+        _refuse(name, attention_mask, dropout, softcap, kwargs)
+        if layout is None:
+            raise ValueError("cu_seqlens: call update_ring_flash_attn_params(cu_seqlens, process_group) with the "
+                             "batch's global offsets before the forward")
+        if query.shape[0] != 1:
+            raise ValueError(f"query has batch size {query.shape[0]}: ring attention takes one packed stream per "
+                             "rank (batch size 1); pack the batch's documents into one sequence")
+        if key.shape[1] % _STATE["heads_k_stride"]:
+            raise ValueError(f"heads_k_stride={_STATE['heads_k_stride']} does not divide {name}'s {key.shape[1]} "
+                             "K,V heads; pass a divisor to substitute_hf_flash_attn")
+
+    checked(group, f"ring_flash_attn HF adapter ({name})",
+            option_fields(query, dropout=dropout, softcap=softcap, sliding_window=sliding_window), local, like=query)
     causal = module.is_causal if is_causal is None else is_causal
     dtype = query.dtype
     if torch.is_autocast_enabled(query.device.type):
         dtype = torch.get_autocast_dtype(query.device.type)
     q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))  # [1, T_local, H, D]
     out = attention(q, k, v, group=group, method="ring", causal=bool(causal), softmax_scale=scaling,
-                           cu_seqlens=layout, window=None if sliding_window is None else int(sliding_window))
+                      cu_seqlens=layout, window=None if sliding_window is None else int(sliding_window))
     return out, None
 
 

@@ -29,7 +29,8 @@ from seqpar.comm.agreement import agreed
 from seqpar.comm.groups import collective_device
 from seqpar.layouts import StreamLayout, check_cu_seqlens
 
-from ._core import attend, check_options, result
+from ._core import attend, check_options, option_fields, result
+from .varlen import check_streams, split
 
 
 def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool, rank: int, world_size: int):
@@ -85,40 +86,42 @@ def _local_boundaries(cu_q, cu_k, local_k_slice, causal: bool, rank: int, t_loca
     return [start] + inner
 
 
-def _global_layout(q, cu_q, cu_k, local_k_slice, heads_k_stride, causal, group, hkv) -> StreamLayout:
-    """Every rank's local checks (a failure raises on every rank), then the global offsets
-    rebuilt from every rank's boundaries (two small all-gathers)."""
-    info = group_info(group)
+def _local_checks(inputs, unpack, cu_q, cu_k, local_k_slice, heads_k_stride, options: dict, rank: int):
+    """Every argument of one rank, checked locally: ``(q, k, v, window, boundaries)``."""
+    q, k, v = unpack(*inputs)
+    window = check_options(**options)
+    check_streams(q, k, v)
+    hkv = k.shape[1]
+    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1 \
+            or hkv % heads_k_stride:
+        raise ValueError(f"heads_k_stride={heads_k_stride!r}: expected a positive int dividing the {hkv} K,V heads")
+    return q, k, v, window, _local_boundaries(cu_q, cu_k, local_k_slice, options["causal"], rank, q.shape[0])
 
-    def local():
-        if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1 \
-                or hkv % heads_k_stride:
-            raise ValueError(f"heads_k_stride={heads_k_stride!r}: expected a positive int dividing the "
-                             f"{hkv} K,V heads")
-        return _local_boundaries(cu_q, cu_k, local_k_slice, causal, info.rank, q.shape[0])
 
-    fields = {"q of shape": tuple(q.shape), "dtype": str(q.dtype), "causal": causal}
-    mine = agreed([info], "ring_flash_attn.llama3_flash_attn_varlen_func", fields, local,
-                  device=q.device if q.is_cuda else None)
+def _global_layout(info, mine: list[int], t_local: int) -> StreamLayout:
+    """The global offsets rebuilt from every rank's boundaries (two small all-gathers)."""
     device = collective_device(info.group) if not info.single else torch.device("cpu")
     counts = all_gather_stack(info, torch.tensor([len(mine)], device=device), name="llama3_offsets")
-    width = int(counts.max())
-    row = torch.full((width,), -1, dtype=torch.int64, device=device)
+    row = torch.full((int(counts.max()),), -1, dtype=torch.int64, device=device)
     row[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
     every = all_gather_stack(info, row, name="llama3_offsets").flatten().tolist()
-    total = info.size * q.shape[0]
-    return cached_stream_layout(tuple(sorted({x for x in every if x >= 0} | {0, total})), info.size)
+    return cached_stream_layout(tuple(sorted({x for x in every if x >= 0} | {0, info.size * t_local})), info.size)
 
 
-def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale, causal,
+def _run(inputs, unpack, cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale, causal,
          window_size, alibi_slopes, deterministic, return_attn_probs, group):
-    window = check_options(dropout_p=dropout_p, alibi_slopes=alibi_slopes, window_size=window_size,
-                           deterministic=deterministic, return_attn_probs=return_attn_probs, causal=causal,
-                           softmax_scale=softmax_scale)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 3:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}: the varlen functions take [T_local, H, D]")
-    layout = _global_layout(q, cu_seqlens_q, cu_seqlens_k, local_k_slice, heads_k_stride, causal, group, k.shape[1])
+    options = dict(dropout_p=dropout_p, alibi_slopes=alibi_slopes, window_size=window_size, deterministic=deterministic,
+                   return_attn_probs=return_attn_probs, causal=causal, softmax_scale=softmax_scale)
+    info = group_info(group)
+    fields = option_fields(inputs[0], causal=causal, window_size=window_size, dropout_p=dropout_p,
+                           softmax_scale=softmax_scale, return_attn_probs=return_attn_probs,
+                           T_local=getattr(inputs[0], "shape", (None,))[0])
+    # always agreed (even with SEQPAR_CHECK_RANKS=0): the all-gathers below must not start on some ranks only
+    q, k, v, window, mine = agreed([info], "ring_flash_attn.llama3_flash_attn_varlen_func", fields,
+                                   lambda: _local_checks(inputs, unpack, cu_seqlens_q, cu_seqlens_k, local_k_slice,
+                                                         heads_k_stride, options, info.rank),
+                                   device=inputs[0].device if getattr(inputs[0], "is_cuda", False) else None)
+    layout = _global_layout(info, mine, q.shape[0])
     return stream_attention(q, k, v, layout, softmax_scale=softmax_scale, causal=causal, window=window, group=group,
                             return_attn_probs=return_attn_probs)
 
@@ -136,8 +139,8 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                                   return_attn_probs=False, group=None):
     """Attention over this rank's contiguous piece of a packed stream (see the module docstring)."""
-    return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale,
-                causal, window_size, alibi_slopes, deterministic, return_attn_probs, group)
+    return _run((q, k, v), lambda *x: x, cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice, dropout_p,
+                softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group)
 
 
 def llama3_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -145,10 +148,9 @@ def llama3_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, ma
                                            causal=False, window_size=(-1, -1), alibi_slopes=None,
                                            deterministic=False, return_attn_probs=False, group=None):
     """As :func:`llama3_flash_attn_varlen_func` with kv ``[T_local, 2, Hkv, D]``."""
-    if kv.dim() != 4 or kv.shape[1] != 2:
-        raise ValueError(f"kv has shape {tuple(kv.shape)}: expected [T_local, 2, Hkv, D]")
-    return _run(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice, dropout_p,
-                softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group)
+    return _run((q, kv), lambda q, kv: (q, *split(kv, 2, "kv")), cu_seqlens_q, cu_seqlens_k, heads_k_stride,
+                local_k_slice, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                return_attn_probs, group)
 
 
 def llama3_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -156,9 +158,7 @@ def llama3_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens_q, cu_seqlens_k, max
                                             causal=False, window_size=(-1, -1), alibi_slopes=None,
                                             deterministic=False, return_attn_probs=False, group=None):
     """As :func:`llama3_flash_attn_varlen_func` with qkv ``[T_local, 3, H, D]``."""
-    if qkv.dim() != 4 or qkv.shape[1] != 3:
-        raise ValueError(f"qkv has shape {tuple(qkv.shape)}: expected [T_local, 3, H, D]")
-    return _run(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice,
+    return _run((qkv,), lambda qkv: split(qkv, 3, "qkv"), cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice,
                 dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs, group)
 
 

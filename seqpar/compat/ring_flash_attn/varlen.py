@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from seqpar.comm import group_info
 from seqpar.layouts import PackedLayout, check_cu_seqlens, layout_of
 
-from ._core import attend, check_options, result
+from ._core import attend, check_options, checked, option_fields, result
 
 #: per layout: how many equal chunks of every document one rank's piece is made of
 _CHUNKS = {"ring": 1, "zigzag_ring": 2}
@@ -52,24 +54,38 @@ def packed_layout_of(cu_seqlens, t_local: int, method: str, group) -> PackedLayo
     return _layout(tuple(x * n for x in local), method, n)
 
 
-def _run(method, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+def _run(method, inputs, unpack, cu_seqlens, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
          deterministic, return_attn_probs, group):
-    window = check_options(dropout_p=dropout_p, alibi_slopes=alibi_slopes, window_size=window_size,
-                           deterministic=deterministic, return_attn_probs=return_attn_probs, causal=causal,
-                           softmax_scale=softmax_scale)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 3:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}: the varlen functions take [T_local, H, D]")
-    layout = packed_layout_of(cu_seqlens, q.shape[0], method, group)
+    def local():
+        q, k, v = unpack(*inputs)
+        window = check_options(dropout_p=dropout_p, alibi_slopes=alibi_slopes, window_size=window_size,
+                               deterministic=deterministic, return_attn_probs=return_attn_probs, causal=causal,
+                               softmax_scale=softmax_scale)
+        check_streams(q, k, v)
+        return q, k, v, window, packed_layout_of(cu_seqlens, q.shape[0], method, group)
+
+    fields = option_fields(inputs[0], causal=causal, window_size=window_size, dropout_p=dropout_p,
+                           softmax_scale=softmax_scale, return_attn_probs=return_attn_probs)
+    q, k, v, window, layout = checked(group, f"ring_flash_attn varlen ({method})", fields, local, like=inputs[0])
     out, lse = attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), method=method, causal=causal,
                       softmax_scale=softmax_scale, window=window, group=group, cu_seqlens=layout,
                       return_lse=return_attn_probs)
     return result(out.squeeze(0), None if lse is None else lse.squeeze(0), return_attn_probs)
 
 
-def _split(packed, parts: int, argument: str):
-    if packed.dim() != 4 or packed.shape[1] != parts:
-        raise ValueError(f"{argument} has shape {tuple(packed.shape)}: expected [T_local, {parts}, H, D]")
+def check_streams(q, k, v) -> None:
+    """The varlen functions take packed streams ``[T_local, H, D]`` (ValueError otherwise)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} has shape {tuple(getattr(x, 'shape', ()))}: the varlen functions take "
+                             "[T_local, H, D]")
+
+
+def split(packed, parts: int, argument: str):
+    """``[T_local, parts, H, D]`` -> ``parts`` views ``[T_local, H, D]`` (ValueError for another shape)."""
+    if not isinstance(packed, torch.Tensor) or packed.dim() != 4 or packed.shape[1] != parts:
+        raise ValueError(f"{argument} has shape {tuple(getattr(packed, 'shape', ()))}: expected "
+                         f"[T_local, {parts}, H, D]")
     return tuple(packed[:, i] for i in range(parts))
 
 
@@ -79,22 +95,20 @@ def _family(method: str, doc: str):
     def varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), alibi_slopes=None, deterministic=False, return_attn_probs=False,
                     group=None):
-        return _run(method, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                    deterministic, return_attn_probs, group)
+        return _run(method, (q, k, v), lambda *x: x, cu_seqlens, dropout_p, softmax_scale, causal, window_size,
+                    alibi_slopes, deterministic, return_attn_probs, group)
 
     def varlen_kvpacked_func(q, kv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                              return_attn_probs=False, group=None):
-        k, v = _split(kv, 2, "kv")
-        return _run(method, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                    deterministic, return_attn_probs, group)
+        return _run(method, (q, kv), lambda q, kv: (q, *split(kv, 2, "kv")), cu_seqlens, dropout_p, softmax_scale,
+                    causal, window_size, alibi_slopes, deterministic, return_attn_probs, group)
 
     def varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                               return_attn_probs=False, group=None):
-        q, k, v = _split(qkv, 3, "qkv")
-        return _run(method, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                    deterministic, return_attn_probs, group)
+        return _run(method, (qkv,), lambda qkv: split(qkv, 3, "qkv"), cu_seqlens, dropout_p, softmax_scale, causal,
+                    window_size, alibi_slopes, deterministic, return_attn_probs, group)
 
     for f in (varlen_func, varlen_kvpacked_func, varlen_qkvpacked_func):
         f.__doc__ = f"{doc} See :mod:`seqpar.compat.ring_flash_attn.varlen` for layouts and shapes."
