@@ -4,10 +4,10 @@ A plain HF Trainer script (this file's ``__main__``): a tiny Llama with GQA (4 q
 heads, from ``tests/model_folders.py``), SGD (a wrong gradient scale moves the weights by the wrong
 amount; no clipping, constant learning rate), real-text documents of awkward lengths (1 to 97 tokens)
 packed by ``DataCollatorWithFlattening``, random sampling. One torchrun launch per world size runs its
-configurations in sequence (2 ranks: cp 2 with gradient accumulation, ulysses, right padding, bad
-inputs, and a trainer whose gradients are averaged instead of summed, which the comparison must
-catch; 3 ranks: cp 3; 4 ranks: cp 2 x dp 2 under DDP and under FSDP2, a bad batch in one
-data-parallel group). Rank 0 saves the model with ``save_model`` and writes the logged losses; the
+configurations in sequence (2 ranks: cp 2 with gradient accumulation, ulysses, right padding,
+torch_compile, bad inputs, and a trainer whose gradients are averaged instead of summed, which the comparison must
+catch; 3 ranks: cp 3; 4 ranks: cp 2 x dp 2 under DDP and under FSDP2 (also compiled), cp 4 usp
+with cp_options={"ulysses_degree": 2}, a bad batch in one data-parallel group). Rank 0 saves the model with ``save_model`` and writes the logged losses; the
 test reloads the saved folder with ``from_pretrained`` and compares with the plain ``Trainer`` run
 in one process on batches ``dp`` times larger (the same examples per optimizer step).
 
@@ -40,15 +40,20 @@ STEPS = 2
 N_DOCS = 48
 LR = 0.5
 
-# name -> (world, trainer options); "batch" is per_device_train_batch_size (sequences per cp group)
+# name -> (world, trainer options); "batch" is per_device_train_batch_size (sequences per cp group);
+# "slow" ones run only with SEQPAR_SLOW=1 (each launch runs its world's configurations in sequence)
 CONFIGS = {
     "cp2_zigzag_ga2": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2)),
-    "cp2_ulysses": (2, dict(cp=2, method="ulysses", batch=4, ga=1)),
+    "cp2_ulysses": (2, dict(cp=2, method="ulysses", batch=4, ga=1, slow=True)),
     "cp2_right_padded": (2, dict(cp=2, method="ring", batch=3, ga=1, collator="pad")),
     "cp3_striped": (3, dict(cp=3, method="striped_ring", batch=3, ga=2)),
+    "cp2_compile": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=1, compile="aot_eager")),
+    "cp2_dp2_fsdp2_compile": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=1, fsdp=True, compile="aot_eager",
+                                      slow=True)),
     # DDP's average over the ranks left as it is (no factor W): half the gradient at cp 2
     "wrong_scale": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, wrong_scale=True)),
     "cp2_dp2_ddp": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2)),
+    "cp4_usp": (4, dict(cp=4, method="usp", options={"ulysses_degree": 2}, batch=4, ga=1)),
     "cp2_dp2_fsdp2": (4, dict(cp=2, method="allgather_kv", batch=2, ga=2, fsdp=True)),
 }
 # name -> (world, trainer options, text every rank's error must contain)
@@ -119,6 +124,8 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
     extra = {}
     if opts.get("fsdp") and cp_trainer:  # the reference is one process: no sharding
         extra = dict(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
+    if opts.get("compile") and cp_trainer:
+        extra.update(torch_compile=True, torch_compile_backend=opts["compile"])
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=opts["ga"],
         max_steps=STEPS, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
@@ -163,6 +170,11 @@ def _main(out_dir: str, folder: str, names: list[str]) -> None:
             losses, trainer = _train(folder, out, opts, world, cp_trainer=True)
             trainer.save_model(out)
             record = {"losses": losses}
+            if opts.get("compile"):  # Dynamo compiled graphs (a fall back to eager would compile none)
+                from torch._dynamo.utils import counters
+
+                record["graphs"] = int(counters["stats"]["unique_graphs"])
+                record["breaks"] = sorted(counters["graph_break"])[:5]
         except ValueError as exc:
             record = {"error": f"{type(exc).__name__}: {exc}"}
         if not dist.is_initialized():  # a refusal before the Trainer initialised torch.distributed
@@ -175,6 +187,19 @@ def _main(out_dir: str, folder: str, names: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- the tests
+
+
+SLOW = os.environ.get("SEQPAR_SLOW") == "1"
+
+
+def _names(world: int) -> list[str]:
+    table = {**CONFIGS, **BAD}
+    return [n for n, (w, opts, *_) in table.items() if w == world and (SLOW or not opts.get("slow"))]
+
+
+def _params(world: int) -> list:
+    return [pytest.param(n, marks=[pytest.mark.slow] if o.get("slow") else [])
+            for n, (w, o) in CONFIGS.items() if w == world and not o.get("wrong_scale")]
 
 
 def _launch(world: int, names: list[str], out: Path, folder: Path, timeout: float = 420) -> dict:
@@ -235,11 +260,10 @@ def _assert_equal(folder: Path, tmp: Path, out: Path, name: str, results: dict) 
 @pytest.fixture(scope="module")
 def world2(folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("world2")
-    names = [n for n, (w, *_) in {**CONFIGS, **BAD}.items() if w == 2]
-    return out, _launch(2, names, out, folder)
+    return out, _launch(2, _names(2), out, folder)
 
 
-@pytest.mark.parametrize("name", [n for n, (w, o) in CONFIGS.items() if w == 2 and not o.get("wrong_scale")])
+@pytest.mark.parametrize("name", _params(2))
 def test_world2_matches_single_process_trainer(world2, folder, tmp_path, name):
     out, results = world2
     _assert_equal(folder, tmp_path, out, name, results)
@@ -263,12 +287,12 @@ def test_bad_inputs_raise_on_every_rank(world2, name):
 
 def test_world4_cp2_dp2_ddp_fsdp2_and_a_bad_group(folder, tmp_path_factory, tmp_path):
     out = tmp_path_factory.mktemp("world4")
-    names = [n for n, (w, *_) in {**CONFIGS, **BAD}.items() if w == 4]
+    names = _names(4)
     results = _launch(4, names, out, folder)
     records = results["bad_one_group"]  # the group with the bad batch names it, the other says why it stops
     assert all("ValueError" in r.get("error", "") for r in records), records
     assert sum("not right-padded" in r["error"] for r in records) == 2, records
-    for name in (n for n, (w, _) in CONFIGS.items() if w == 4):
+    for name in (n for n in names if n in CONFIGS):
         _assert_equal(folder, tmp_path, out, name, results)
 
 
@@ -276,6 +300,57 @@ def test_world3_cp3(folder, tmp_path_factory, tmp_path):
     out = tmp_path_factory.mktemp("world3")
     results = _launch(3, ["cp3_striped"], out, folder)
     _assert_equal(folder, tmp_path, out, "cp3_striped", results)
+
+
+# ----------------------------------------------------------------------------- in one process
+
+
+def test_pack_batch_forms_and_refusals():
+    from seqpar.integrations.hf_trainer import count_labels, pack_batch
+    from transformers import DataCollatorWithFlattening
+
+    flat = DataCollatorWithFlattening()([{"input_ids": [5, 6, 7]}, {"input_ids": [8]}, {"input_ids": [9, 10]}])
+    packed = pack_batch(flat)
+    assert packed["cu_seqlens"].tolist() == [0, 3, 4, 6] and packed["cu_seqlens"].dtype == torch.int32
+    assert count_labels(packed) == 2 + 0 + 1  # next-token labels inside each document only
+    rows = {"input_ids": torch.tensor([[1, 2, 3], [4, 5, 0]]), "labels": torch.tensor([[1, 2, 3], [4, 5, -100]]),
+            "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    packed = pack_batch(rows)  # right padding: the padded token is dropped, rows become documents
+    assert packed["input_ids"].tolist() == [[1, 2, 3, 4, 5]] and packed["cu_seqlens"].tolist() == [0, 3, 5]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1]] and count_labels(packed) == 3
+    refusals = {
+        "not right-padded": dict(rows, attention_mask=torch.tensor([[1, 1, 1], [0, 1, 1]])),
+        "a padded token carries a label": dict(rows, labels=rows["input_ids"]),
+        "pixel_values cannot be split": dict(rows, pixel_values=torch.zeros(2)),
+        "has no labels": {"input_ids": rows["input_ids"]},
+        "position goes from 1 to 5": {"input_ids": torch.zeros(1, 4, dtype=torch.long),
+                                      "labels": torch.zeros(1, 4, dtype=torch.long),
+                                      "position_ids": torch.tensor([[0, 1, 5, 6]])},
+    }
+    for expected, batch in refusals.items():
+        with pytest.raises(ValueError, match=expected):
+            pack_batch(batch)
+
+
+def test_one_process_equals_trainer_and_bad_arguments(folder, tmp_path):
+    """context_parallel_size=1 without torch.distributed: training and evaluate() give the plain
+    Trainer's numbers; arguments are refused before any work."""
+    from seqpar.integrations.hf_trainer import ContextParallelTrainer
+    from transformers import TrainingArguments
+
+    opts = dict(cp=1, method="zigzag_ring", batch=3, ga=2, collator="pad")
+    runs = [_train(str(folder), str(tmp_path / str(cp)), opts, 1, cp_trainer=cp) for cp in (False, True)]
+    (ref_losses, ref), (losses, ours) = runs
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= LOSS_ATOL
+    data = _documents(ref.processing_class or __import__("transformers").AutoTokenizer.from_pretrained(str(folder)))
+    assert abs(ours.evaluate(data[:7])["eval_loss"] - ref.evaluate(data[:7])["eval_loss"]) <= LOSS_ATOL
+    args = TrainingArguments(output_dir=str(tmp_path / "x"), use_cpu=True, report_to=[])
+    for kwargs, expected in [(dict(context_parallel_size=0), "context_parallel_size"),
+                             (dict(cp_method="zeco"), "cp_method='zeco'"),
+                             (dict(cp_options={"window": 3}), "cp_options: unknown window"),
+                             (dict(context_parallel_size=2), "does not divide the world of 1")]:
+        with pytest.raises(ValueError, match=expected):
+            ContextParallelTrainer(model=ours.model, args=args, **kwargs)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,8 @@ def _check_training_arguments(args: TrainingArguments, cp: int, compute_loss_fun
         "'batch_rebalance' deals batches per rank, not per context-parallel group; use 'random' or 'group_by_length'",
         "compute_loss_func": compute_loss_func is not None and
         "a custom loss would see this rank's shard only; the trainer computes the token cross-entropy itself",
+        "eval_strategy": cp > 1 and str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" and
+        "evaluation under context parallelism is not supported yet; set eval_strategy='no'",
         "n_gpu": args.n_gpu > 1 and "one process drives several GPUs (DataParallel); launch one process per GPU",
     }
     for name, why in refusals.items():
@@ -98,6 +100,13 @@ def _take_fsdp(args: TrainingArguments):
     args = copy.copy(args)
     args.fsdp, args.fsdp_plugin_args, args.activation_checkpointing, args.torch_compile = False, None, False, False
     return options, args
+
+
+def _refuse_evaluation(cp: int, what: str) -> None:
+    if cp > 1:
+        raise ValueError(f"{what}: evaluation under context parallelism is not supported yet (each rank holds a shard "
+                         "of the logits); set eval_strategy='no', save_model() and evaluate the saved model with "
+                         "the plain Trainer, or use context_parallel_size=1")
 
 
 class _Sharded(torch.nn.Module):
@@ -129,7 +138,7 @@ class ContextParallelTrainer(Trainer):
     updates and the logged ``loss`` equal a single-process ``Trainer`` whose batch is ``dp`` times
     larger (the global token mean); DDP (the default) and FSDP2 (``fsdp="full_shard"``,
     ``fsdp_config={"version": 2}``) both work, as does ``torch_compile`` where seqpar's attention
-    compiles. ``evaluate``/``predict`` with ``context_parallel_size > 1`` give the loss only.
+    compiles. ``evaluate``/``predict`` with ``context_parallel_size > 1`` raise (not supported yet).
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *rest, context_parallel_size: int = 1,
@@ -226,12 +235,6 @@ class ContextParallelTrainer(Trainer):
     def get_train_dataloader(self):
         return self._shard_over_groups(super().get_train_dataloader())
 
-    def get_eval_dataloader(self, eval_dataset=None):
-        return self._shard_over_groups(super().get_eval_dataloader(eval_dataset))
-
-    def get_test_dataloader(self, test_dataset):
-        return self._shard_over_groups(super().get_test_dataloader(test_dataset))
-
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The next ``num_batches`` micro-batches, packed, and the label count of all of them over the
         data-parallel groups (every rank raises if any rank's batch was refused)."""
@@ -273,7 +276,7 @@ class ContextParallelTrainer(Trainer):
 
         Training: ``scale * (sum of this rank's token cross-entropies) / num_items_in_batch``
         (:meth:`_loss_scale`; ``num_items_in_batch`` from :meth:`get_batch_samples`). Evaluation
-        (no count): the token mean over the context-parallel group, the same on its ranks.
+        (``context_parallel_size=1``; the model in eval mode): the batch's token mean.
         Outputs hold this rank's logits ``[1, T_local, V]`` only.
         """
         packed = pack_batch(inputs)
@@ -281,8 +284,8 @@ class ContextParallelTrainer(Trainer):
                              cu_seqlens=packed["cu_seqlens"], group=self.cp_group, method=self.cp_method)
         outputs = model(**shard.model_kwargs())
         logits = outputs.logits
-        if num_items_in_batch is None:
-            loss = context_parallel_loss(logits, shard.labels, group=self.cp_group)
+        if num_items_in_batch is None or not model.training:  # evaluation: the Trainer's count shifts rows,
+            loss = context_parallel_loss(logits, shard.labels, group=self.cp_group)  # not documents: recount
         else:
             local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shard.labels.reshape(-1),
                                     ignore_index=IGNORE_INDEX, reduction="sum")
@@ -293,22 +296,21 @@ class ContextParallelTrainer(Trainer):
                 loss = share + (loss - share).detach()
         return (loss, outputs) if return_outputs else loss
 
+    def evaluate(self, *args, **kwargs):
+        _refuse_evaluation(self.context_parallel_size, "evaluate")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        _refuse_evaluation(self.context_parallel_size, "predict")
+        return super().predict(*args, **kwargs)
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Evaluation: the batch is packed on every rank first (a refusal raises on every rank); under
-        context parallelism the result is the loss only (each rank holds a shard of the logits)."""
+        """Evaluation (``context_parallel_size=1``): the batch is packed on every rank first, and a
+        refusal raises on every rank."""
         packed, error = inputs, None
         try:
             packed = pack_batch(inputs)
         except ValueError as exc:
             error = str(exc)
-        agree_label_count(0, error, world=self.args.world_size, cp=self.context_parallel_size, across_dp=False,
-                          device=self.args.device)
-        if self.context_parallel_size == 1:
-            return super().prediction_step(model, packed, prediction_loss_only, ignore_keys)
-        if not prediction_loss_only and self.compute_metrics is not None:
-            raise ValueError("compute_metrics: under context parallelism each rank holds a shard of the logits; "
-                             "evaluate the loss only (prediction_loss_only=True, no compute_metrics)")
-        packed = self._prepare_inputs(packed)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, packed)
-        return loss.detach(), None, None
+        agree_label_count(0, error, world=self.args.world_size, cp=1, across_dp=False, device=self.args.device)
+        return super().prediction_step(model, packed, prediction_loss_only, ignore_keys)
