@@ -234,3 +234,37 @@ def test_cli_generate_end_to_end(folders, tmp_path, capsys):
     assert got["new_tokens"] == ref[0, ids.shape[1]:].tolist()
     assert got["ranks"] == 2 and got["prompt_tokens"] == ids.shape[1] and len(got["kv_bytes_per_rank"]) == 2
     assert "tokens/s" in printed and "KV bytes per rank" in printed and got["text"] in printed
+
+
+def _cache_api(path):
+    """crop, batch_select_indices, beam search (batch_repeat_interleave, reorder_cache), eos stopping
+    and output_hidden_states on the sharded cache, each against the same on transformers' cache."""
+    ref, model = _load(path), _load(path)
+    first, more = _prompts(ref.config.vocab_size, 2, 13)
+    apply_context_parallel(model, method="zigzag_ring")
+    kw = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=ref.config.pad_token_id)
+    r, o = ref.generate(first, max_new_tokens=4, **kw), model.generate(first, cache=ShardedCache(), max_new_tokens=4, **kw)
+    got = {"first": torch.equal(r.sequences, o.sequences)}
+    cache = o.cache
+    r.cache.crop(-2)
+    cache.crop(-2)
+    got["crop length"] = cache.get_seq_length() == r.cache.get_seq_length()
+    r.cache.batch_select_indices(torch.tensor([1]))
+    cache.batch_select_indices(torch.tensor([1]))
+    again = torch.cat([r.sequences[1:, :-2], more[1:]], 1)
+    r2, o2 = ref.generate(again, cache=r.cache, max_new_tokens=4, **kw), model.generate(again, cache=cache,
+                                                                                        max_new_tokens=4, **kw)
+    got["crop+select"] = torch.equal(r2.sequences, o2.sequences) and _relative(o2.logits, r2.logits) <= REL_TOL
+    beams = dict(num_beams=3, max_new_tokens=5, do_sample=False, pad_token_id=ref.config.pad_token_id)
+    got["beams"] = torch.equal(ref.generate(first, **beams), model.generate(first, cache=ShardedCache(), **beams))
+    stop = int(r.sequences[0, PROMPT + 2])  # greedy's third new token as eos: both stop there
+    hs = dict(max_new_tokens=6, eos_token_id=stop, output_hidden_states=True, **kw)
+    r3, o3 = ref.generate(first[:1], **hs), model.generate(first[:1], cache=ShardedCache(), **hs)
+    got["eos"] = torch.equal(r3.sequences, o3.sequences) and r3.sequences.shape[1] < PROMPT + 6
+    got["hidden"] = all(_relative(a, b) <= REL_TOL for a, b in zip(o3.hidden_states[0], r3.hidden_states[0]))
+    return got
+
+
+def test_cache_api_matches_transformers(folders):
+    for got in run_distributed(_cache_api, 2, folders["llama"], timeout=180):
+        assert all(got.values()), got

@@ -355,7 +355,9 @@ class ShardedCache(Cache):
                                      layer.positions, **common)
         out, lse = cache_ops.local_partial(q, [(0, step.new, step.past)], layer.keys, layer.values, layer.positions,
                                            scale=scale, window=window, backend=backend)
-        if step.combine is None:
+        if step.combine is None and n == 1:
+            step.combine = "none"  # one rank: nothing to combine
+        elif step.combine is None:
             rows = out.shape[0] * out.shape[1] * out.shape[2]
             step.combine = self.decode_combine if self.decode_combine != "auto" else cache_ops.choose_combine(
                 n, rows * (out.shape[3] + 1) * 4, rows * 4, latency=self.link_latency, bandwidth=self.link_bandwidth)
