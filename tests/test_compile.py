@@ -198,8 +198,32 @@ def _linear_between_graphs():
     return True
 
 
+def _shard_mesh_unshard():
+    """Inside compiled code: seqpar.shard (local indexing) compiles with fullgraph=True; attention
+    over a 1-D DeviceMesh compiles and equals eager; seqpar.unshard (a collective) runs between two
+    graphs with fullgraph=False and raises naming the reason with fullgraph=True."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(1, T_GLOBAL, HQ, D, generator=gen)
+    torch._dynamo.reset()
+    local = torch.compile(lambda t: seqpar.shard(t, method="zigzag_ring") * 2, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(local, seqpar.shard(x, method="zigzag_ring") * 2)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    attend = lambda q: seqpar.attention(q, q, q, group=mesh, causal=True)  # noqa: E731
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(attend, backend="aot_eager", fullgraph=True)(local), attend(local))
+    torch._dynamo.reset()
+    gather = lambda t: seqpar.unshard(t * 3, method="zigzag_ring") + 1  # noqa: E731
+    assert torch.equal(torch.compile(gather, backend="aot_eager")(local), x * 6 + 1)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unshard runs outside"):
+        torch.compile(gather, backend="aot_eager", fullgraph=True)(local)
+    return True
+
+
 def _after_cases():
-    return _recorders() and _linear_between_graphs()
+    return _recorders() and _linear_between_graphs() and _shard_mesh_unshard()
 
 
 def _cases(cases, backend, fullgraph):
@@ -298,7 +322,7 @@ OPTIONS = [("zigzag_ring", False, 5, False), ("ulysses", True, 4, False), ("ring
 def test_every_method_aot_eager(n, cases):
     """Every method, dense at N = 2 and packed at N = 3, a window and sinks: fullgraph=True; then
     (same processes, N = 2) stats, trace and seqpar.checkpoint around a compiled block, the rank
-    agreement, and linear attention between two graphs."""
+    agreement, linear attention and unshard between two graphs, shard and a DeviceMesh group."""
     _check(_fresh(n, cases, "aot_eager", True, timeout=600, then=_after_cases if n == 2 else None))
 
 

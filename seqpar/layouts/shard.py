@@ -113,6 +113,8 @@ def unshard(x_local: torch.Tensor, *, group=None, method: str = "zigzag_ring", d
     argument instead of gathering mismatched buffers (which aborts a gloo process). ``False`` skips it.
     """
     arguments = dict(locals())
+    if torch.compiler.is_compiling():  # a collective with its rank check: runs between two graphs
+        return _unshard_between_graphs(**arguments)
     if check_ranks_enabled(check_ranks):
         _check_ranks("seqpar.unshard", arguments)
     _check_dim(x_local, dim, "x_local")
@@ -146,5 +148,12 @@ def packed_layout(cu_seqlens, *, method: str = "zigzag_ring", group=None, ulysse
         return stream_layout(cu_seqlens, placement(method, group).info.size)
     return placement(method, group, ulysses_degree=ulysses_degree, ring_method_name=ring_method).packed(cu_seqlens)
 
+
+# Under torch.compile, unshard (usually called outside the compiled model, on its outputs) runs
+# eagerly between two graphs: a graph break, or with fullgraph=True an error giving this reason.
+# shard is local indexing and compiles as it is.
+_unshard_between_graphs = torch.compiler.disable(
+    unshard, reason="seqpar.unshard runs outside torch.compile graphs (a graph break): call it on the compiled "
+                    "function's outputs, or compile with fullgraph=False")
 
 __all__ = ["layout_of", "packed_layout", "shard", "unshard"]
