@@ -82,6 +82,8 @@ def test_formats_give_the_same_stream(tmp_path, tok):
 
     as_text = open_token_data(_write_text(tmp_path / "t", DOCS), tok, SEQ, seed=1)
     as_jsonl = open_token_data(_write_jsonl(tmp_path / "a.jsonl", DOCS), tok, SEQ, seed=1)
+    datasets.Dataset.from_dict({"text": DOCS}).to_json(str(tmp_path / "b.json"))  # JSON Lines, .json
+    as_json = open_token_data(tmp_path / "b.json", tok, SEQ, seed=1)
     (tmp_path / "j").mkdir()
     _write_jsonl(tmp_path / "j" / "a.jsonl", DOCS[:5])
     _write_jsonl(tmp_path / "j" / "b.jsonl", DOCS[5:])
@@ -92,7 +94,7 @@ def test_formats_give_the_same_stream(tmp_path, tok):
     datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "arrow"))
     as_arrow = open_token_data(tmp_path / "arrow", tok, SEQ, seed=1, pattern="*.arrow")
     reference = _epoch(as_text)
-    for data in (as_jsonl, as_jsonl_folder, as_parquet, as_arrow):
+    for data in (as_jsonl, as_json, as_jsonl_folder, as_parquet, as_arrow):
         got = _epoch(data)
         assert len(got) == len(reference)
         for (a, cu_a), (b, cu_b) in zip(got, reference):

@@ -3,7 +3,8 @@
 ``--data PATH`` is a file or a folder (searched recursively; hidden entries, ``__pycache__`` and
 ``site-packages`` skipped; names filtered by ``--data-glob``). By file name:
 
-- ``*.jsonl``: one document per non-empty line, a JSON object whose ``text`` field is the document;
+- ``*.jsonl``, ``*.json``: one document per non-empty line, a JSON object whose ``text`` field is
+  the document (JSON Lines, as ``datasets.Dataset.to_json`` writes);
 - ``*.parquet``, ``*.arrow``: one document per row's ``text`` column, read through the ``datasets``
   library (local files only; ``pip install 'seqpar[data]'``);
 - any other file: the whole file is one document (UTF-8; undecodable bytes replaced).
@@ -125,7 +126,7 @@ class Documents:
         tables = [p for p in files if p.suffix in _TABLES]
         opened = _open_tables(tables, argument) if tables else {}
         for p in files:
-            if p.suffix == ".jsonl":
+            if p.suffix in (".jsonl", ".json"):
                 refs += _jsonl_refs(p)
             elif p.suffix not in _TABLES:
                 refs.append(_Ref("file", str(p)))
