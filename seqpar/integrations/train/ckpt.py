@@ -8,8 +8,10 @@ written last, an empty ``COMPLETE`` marker. A checkpoint is first written to
 looks finished; :func:`latest_checkpoint` and :func:`load_checkpoint` ignore or refuse anything
 without the marker.
 
-Parameters and optimizer state are replicated on every rank (context parallelism splits tokens,
-not weights), so DCP stores each tensor once and any world size or CP degree can load it.
+Parameters and optimizer state are FSDP2 shards (DTensors, dim 0 over all ranks); DCP stores each
+tensor's shards with their global offsets (``get_state_dict`` / ``set_state_dict`` of
+``torch.distributed.checkpoint.state_dict``), so a run at any world size and CP degree, sharded or
+in one process, loads it and reshards it to its own layout.
 """
 
 from __future__ import annotations

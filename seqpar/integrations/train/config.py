@@ -11,7 +11,7 @@ from pathlib import Path
 
 from seqpar.methods import ADAPTIVE_METHODS, METHODS
 
-from .data import VOCAB_SIZE, TextFiles, default_data_dir
+from .data import VOCAB_SIZE, PackedSequences, TextFiles, default_data_dir
 
 CHECKPOINTING = ("none", "layer", "attention")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -29,6 +29,8 @@ class TrainConfig:
     """Everything a rank needs to train; built once from the command line and sent to every rank."""
 
     model_config: str | None = None
+    model: str | None = None
+    trust_pickle: bool = False
     data: str | None = None
     data_glob: str | None = None
     seq_len: int = 2048
@@ -56,6 +58,8 @@ class TrainConfig:
     progress: bool = True
     timeout: float = 86400.0
     crash_at_step: int | None = None
+    export_hf: str | None = None
+    compile: bool = False
 
     @property
     def data_dir(self) -> str:
@@ -72,13 +76,19 @@ class TrainConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="seqpar train",
-        description="Train a transformers Llama (from a config) on packed byte-level text with context "
-                    "parallelism. Local CPU ranks: --nproc N; GPUs or several nodes: torchrun ... -m seqpar.train.")
+        description="Train a transformers decoder (a local model folder, or random weights from a config) on "
+                    "packed documents with context parallelism; parameters, gradients and optimizer state are "
+                    "sharded (FSDP2) over all ranks. Local CPU ranks: --nproc N; GPUs or several nodes: "
+                    "torchrun ... -m seqpar.train.")
     a = p.add_argument
-    a("--model-config", metavar="PATH", help="JSON config or a local model folder with config.json "
-      "(default: a small Llama with GQA; weights are initialised from --seed, never downloaded)")
-    a("--data", metavar="DIR", help="folder of text files, one document per file (default: the Python "
-      "standard library's source files)")
+    a("--model", metavar="DIR", help="local transformers model folder (config.json, safetensors weights, "
+      "tokenizer): its weights are read straight into each rank's shards; data is tokenized with its tokenizer")
+    a("--trust-pickle", action="store_true", help="with --model: allow a pickled pytorch_model.bin (it can run "
+      "code when loaded; prefer safetensors)")
+    a("--model-config", metavar="PATH", help="random weights from a JSON config or a folder's config.json "
+      "(default: a small Llama with GQA; initialised from --seed, the same at any world size; byte-level tokens)")
+    a("--data", metavar="PATH", help="folder of text files (one document each); with --model also JSONL with a "
+      "'text' field or parquet/arrow files (default: the Python standard library's source files)")
     a("--data-glob", metavar="PATTERN", help="file names to use (default '*.py' for the default data, else '*')")
     a("--seq-len", type=int, default=2048, help="tokens per packed sequence (global, before sharding)")
     a("--batch-size", type=int, help="global sequences per step (default: one per data-parallel rank)")
@@ -91,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
       "cost model and machine (default: the scheduler's GPU defaults, world = these ranks)")
     a("--checkpointing", default="none", choices=CHECKPOINTING, help="activation checkpointing: per decoder "
       "layer, or 'attention' (seqpar's rematerialisation-aware mode)")
-    a("--dtype", default="float32", choices=DTYPES, help="compute dtype (autocast; master weights stay fp32)")
+    a("--dtype", default="float32", choices=DTYPES, help="compute dtype (FSDP2 mixed precision: "
+      "computed in it, gradients reduced in fp32, fp32 master weights and optimizer state; one process: autocast)")
     a("--steps", type=int, default=50)
     a("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, linear warmup, cosine to 10%%)")
     a("--warmup", type=int, help="warmup steps (default: min(10, steps / 10))")
@@ -109,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log-every", type=int, default=1, metavar="N")
     a("--no-progress", action="store_true", help="no progress bar")
     a("--timeout", type=float, default=86400.0, help="seconds before spawned local ranks are killed")
+    a("--export-hf", metavar="DIR", help="at the end, write the trained model as a transformers folder "
+      "(safetensors, config, tokenizer) gathered from the shards; DIR must not exist or be empty")
+    a("--compile", action="store_true", help="torch.compile each decoder layer")
     a("--crash-at-step", type=int, metavar="K", help=argparse.SUPPRESS)  # fault injection for tests
     return p
 
@@ -122,7 +136,8 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         warmup=ns.warmup, weight_decay=ns.weight_decay, grad_clip=ns.grad_clip, seed=ns.seed, save=ns.save,
         save_every=ns.save_every, resume=ns.resume, nproc=ns.nproc, threads=ns.threads, plot=ns.plot,
         json=ns.json, log_every=ns.log_every, progress=not ns.no_progress, timeout=ns.timeout,
-        crash_at_step=ns.crash_at_step)
+        crash_at_step=ns.crash_at_step, model=ns.model, trust_pickle=ns.trust_pickle, export_hf=ns.export_hf,
+        compile=ns.compile)
 
 
 # ----------------------------------------------------------------------------- model config
@@ -197,8 +212,8 @@ def adaptive_models(cfg: TrainConfig, world: int, model_config):
     return cluster.with_world_size(world), cost
 
 
-def validate(cfg: TrainConfig, world: int) -> TextFiles:
-    """Every check that needs no process group; raises ValueError naming the flag. Returns the data index.
+def validate(cfg: TrainConfig, world: int):
+    """Every check that needs no process group; raises ValueError naming the flag. Returns the packed data.
 
     Any ``--seq-len`` fits: sequences are packed documents, which seqpar pads to the layout itself.
     """
@@ -239,9 +254,45 @@ def validate(cfg: TrainConfig, world: int) -> TextFiles:
         adaptive_models(cfg, world, load_model_config(cfg.model_config))  # a bad file fails here, once
     if cfg.crash_at_step is not None and not cfg.crash_at_step >= 1:
         raise ValueError("--crash-at-step: expected a step >= 1")
+    if cfg.export_hf is not None:
+        out = Path(cfg.export_hf)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"--export-hf: {out} exists and is not an empty folder; choose a new path (the "
+                             "export never overwrites)")
+        if not out.resolve().parent.is_dir():
+            raise ValueError(f"--export-hf: the parent folder of {out} does not exist; create it first")
+    folder = model_folder(cfg)
+    return open_data(cfg, folder)
+
+
+def model_folder(cfg: TrainConfig):
+    """The validated ``--model`` folder (:class:`.model_io.ModelFolder`), or None for ``--model-config``
+    (whose config is checked here)."""
+    if cfg.model is not None and cfg.model_config is not None:
+        raise ValueError("--model: takes the config from the folder; drop --model-config (random weights) or --model")
+    if cfg.trust_pickle and cfg.model is None:
+        raise ValueError("--trust-pickle: only applies to --model DIR")
+    if cfg.model is None:
+        load_model_config(cfg.model_config)  # a bad config fails here, once
+        return None
+    from .model_io import load_folder
+
+    folder = load_folder(cfg.model, trust_pickle=cfg.trust_pickle, argument="--model")
+    if folder.tokenizer is None:
+        raise ValueError(f"--model: {cfg.model} has no tokenizer (tokenizer.json / tokenizer_config.json); save the "
+                         "model's tokenizer into the folder with tokenizer.save_pretrained")
+    return folder
+
+
+def open_data(cfg: TrainConfig, folder):
+    """The packed sequences of the run: byte-level text files, or with ``--model`` documents tokenized by
+    its tokenizer (:func:`.tokens.open_token_data`). ValueError naming ``--data`` when there is too little."""
+    if folder is not None:
+        from .tokens import open_token_data
+
+        return open_token_data(cfg.data_dir, folder.tokenizer, cfg.seq_len, cfg.seed, pattern=cfg.glob)
     files = TextFiles.scan(cfg.data_dir, cfg.glob)
     if files.num_tokens < cfg.seq_len:
         raise ValueError(f"--data: {cfg.data_dir} holds {files.num_tokens} tokens, fewer than one sequence of "
                          f"--seq-len {cfg.seq_len}; add text or lower --seq-len")
-    load_model_config(cfg.model_config)  # a bad config fails here, once
-    return files
+    return PackedSequences(files, cfg.seq_len, cfg.seed)

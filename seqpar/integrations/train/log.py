@@ -49,7 +49,8 @@ class TrainLog:
         if rec["step"] % self.cfg.log_every == 0 or rec["step"] == self.cfg.steps:
             self.info(f"step {rec['step']:>5}/{self.cfg.steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
                       f"{rec['tokens_per_s']:,.0f} tok/s | {rec['step_time_s'] * 1e3:,.0f} ms | "
-                      f"peak mem {rec['peak_mem_mib']:,.0f} MiB")
+                      f"peak mem {rec['peak_mem_mib']:,.0f} MiB"
+                      + (f" | MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -58,7 +59,8 @@ class TrainLog:
             self.json.close()
 
 
-def summary(log: TrainLog, result) -> None:
+def summary(log: TrainLog, result, extra: dict | None = None) -> None:
+    """The end line and the end record (``extra`` added to it: ``optim_bytes_local``, ...)."""
     ran = [r for r in result.history if r["step"] > result.start_step]
     if not ran:
         log.info(f"nothing to do: the checkpoint is at step {result.start_step}")
@@ -71,7 +73,8 @@ def summary(log: TrainLog, result) -> None:
              f"{median:,.0f} tok/s median ({tps:,.0f} mean) after step 1, {per_cpu_s:,.0f} tokens per CPU-second "
              f"(all ranks), peak mem {max(r['peak_mem_mib'] for r in ran):,.0f} MiB per rank")
     log.event({"event": "end", "tokens_per_s": tps, "tokens_per_s_median": median,
-               "tokens_per_cpu_s": per_cpu_s, "final_loss": ran[-1]["loss"], "checkpoint": result.checkpoint})
+               "tokens_per_cpu_s": per_cpu_s, "final_loss": ran[-1]["loss"], "checkpoint": result.checkpoint,
+               **(extra or {})})
 
 
 def plot_losses(history: list[dict], path: str) -> None:

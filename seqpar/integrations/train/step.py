@@ -1,5 +1,6 @@
-"""One training step of ``seqpar train``: the loss of this rank's tokens, its backward, the gradient sum
-over the world, the learning-rate schedule and fault injection. Shared by the fixed-mesh trainer
+"""One training step of ``seqpar train``: the loss of this rank's tokens and its backward (FSDP2 sums the
+gradients over the world), gradient clipping on the global norm of the sharded gradients, the
+learning-rate schedule and fault injection. Shared by the fixed-mesh trainer
 (:mod:`.trainer`) and the adaptive one (:mod:`.adaptive`)."""
 
 from __future__ import annotations
@@ -7,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import resource
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,8 +16,6 @@ import torch.nn.functional as F
 from ...comm.collectives import peer_errors
 from ..hf import IGNORE_INDEX, shard_inputs
 from .config import TrainConfig
-
-_GRAD_BUCKET = 1 << 26  # elements per gradient all-reduce (256 MB of fp32)
 
 
 def token_loss(model, shard, autocast) -> torch.Tensor:
@@ -29,44 +27,40 @@ def token_loss(model, shard, autocast) -> torch.Tensor:
 
 
 def forward_backward(model, shards, count: float, autocast) -> torch.Tensor:
-    """Backward of this rank's token losses / the global count; returns their (detached) sum."""
+    """Backward of this rank's token losses / the global count; returns their (detached) sum.
+
+    FSDP2 sums each backward's gradients over all ranks (its divide factor is 1), so the gradients
+    after the step are those of the global mean loss."""
     loss_sum = None
     for b in shards:
         token_loss_sum = token_loss(model, b, autocast)
-        (token_loss_sum / count).backward()  # this rank's share; gradients are summed over ranks after
+        (token_loss_sum / count).backward()
         part = token_loss_sum.detach().double()
         loss_sum = part if loss_sum is None else loss_sum + part
-    if loss_sum is None:  # an adaptive plan may leave a rank without sequences this step
-        device = next(model.parameters()).device
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     return loss_sum
 
 
-def all_reduce_grads(params: list[torch.nn.Parameter], extra: torch.Tensor) -> torch.Tensor:
-    """Sum gradients (and ``extra``) over the world in flat buckets; returns the reduced ``extra``."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return extra
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    bucket: list[torch.nn.Parameter] = []
-    size = 0
-    for p in params + [None]:
-        if p is not None and (size + p.numel() <= _GRAD_BUCKET or not bucket):
-            bucket.append(p)
-            size += p.numel()
-            continue
-        flat = torch.cat([q.grad.reshape(-1).float() for q in bucket] + ([extra] if p is None else []))
-        with peer_errors(name="gradient all-reduce"):
-            dist.all_reduce(flat)
-        offset = 0
-        for q in bucket:
-            q.grad.copy_(flat[offset:offset + q.numel()].view_as(q.grad))
-            offset += q.numel()
-        if p is None:
-            return flat[offset:]
-        bucket, size = [p], p.numel()
-    return extra
+def clip_gradients(params, max_norm: float) -> float:
+    """The global L2 norm of the (sharded) gradients, before clipping; scales them to ``max_norm``
+    when larger (``inf``: no clipping). Collective over the ranks holding shards."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(norm, DTensor):  # a partial sum of squares per rank until gathered
+        norm = norm.full_tensor()
+    if math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
+def sum_over_ranks(values: list[float], rt, name: str) -> list[float]:
+    """``values`` summed over the world (float64; one all-reduce)."""
+    t = torch.tensor(values, dtype=torch.float64, device=rt.device)
+    if rt.world > 1:
+        with peer_errors(name=name):
+            dist.all_reduce(t)
+    return t.tolist()
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -92,44 +86,36 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def maybe_crash(cfg: TrainConfig, rank: int, step: int) -> None:
-    """--crash-at-step: fault injection on rank 0, mid-step (before the gradient all-reduce)."""
+    """--crash-at-step: fault injection on rank 0, mid-step (after the backward, before the optimizer)."""
     if cfg.crash_at_step == step and rank == 0:
         if dist.is_initialized():
             os._exit(17)  # die like a killed process
         raise RuntimeError(f"--crash-at-step: injected crash at step {step}")
 
 
-@dataclass(frozen=True)
-class Runtime:
-    """Where this rank runs: the world, its rank, the data-parallel degree and index, its context-parallel
-    group (None with --adaptive, whose groups change per step) and its device."""
-
-    world: int
-    rank: int
-    dp: int
-    dp_rank: int
-    cp_group: object
-    device: torch.device
-
-
-def static_step(cfg: TrainConfig, rt: Runtime, data, model, params, batch: int, step: int, autocast) -> float:
+def static_step(cfg: TrainConfig, rt, data, model, batch: int, step: int, autocast) -> tuple[float, float]:
     """One step at the fixed ``(dp, cp)`` mesh: this rank's data-parallel slice of the step's ``batch``
-    sequences, sharded over its cp group; returns the global loss (gradients summed over the world)."""
+    sequences (``batch / dp`` forward and backward passes, the same number on every rank, as FSDP2's
+    collectives require), sharded over its cp group. Returns the global loss and the sum of the
+    step's squared document lengths (for the attention FLOPs)."""
+    from .flops import squared_lengths
+
     per_dp = batch // rt.dp
     first = (step - 1) * batch + rt.dp_rank * per_dp
-    shards = []
+    shards, squares = [], 0.0
     for s in range(first, first + per_dp):
         tokens, cu = data.sequence(s)
+        squares += squared_lengths(cu)
         shards.append(shard_inputs(tokens[None].to(rt.device), cu_seqlens=cu,
                                    group=rt.cp_group, method=cfg.cp_method))
-    count = torch.tensor([float(sum(b.num_valid for b in shards))], dtype=torch.float64, device=rt.device)
-    if rt.world > 1:
-        with peer_errors(name="label count all-reduce"):
-            dist.all_reduce(count)  # the global number of labels normalises every rank's share
-    loss_sum = forward_backward(model, shards, float(count.clamp(min=1)), autocast)
+    # the global number of labels normalises every rank's share (each label is on exactly one rank)
+    count = max(sum_over_ranks([float(sum(b.num_valid for b in shards))], rt, "label count all-reduce")[0], 1.0)
+    loss_sum = forward_backward(model, shards, count, autocast)
     maybe_crash(cfg, rt.rank, step)
-    return float(all_reduce_grads(params, loss_sum.float().reshape(1))[0]) / float(count.clamp(min=1))
+    cp = rt.world // rt.dp  # the cp ranks of a group hold the same sequences
+    total, squares = sum_over_ranks([float(loss_sum), squares / cp], rt, "loss all-reduce")
+    return total / count, squares
 
 
-__all__ = ["Runtime", "all_reduce_grads", "forward_backward", "lr_at", "maybe_crash", "peak_memory_mib", "static_step",
-           "sync", "token_loss"]
+__all__ = ["clip_gradients", "forward_backward", "lr_at", "maybe_crash", "peak_memory_mib", "static_step",
+           "sum_over_ranks", "sync", "token_loss"]

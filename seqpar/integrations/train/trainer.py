@@ -1,22 +1,25 @@
-"""``seqpar train`` (also ``python -m seqpar.train``): a transformers Llama trained with context
-parallelism on packed real text.
+"""``seqpar train`` (also ``python -m seqpar.train``): a transformers decoder trained with context
+parallelism on packed real text, its parameters, gradients and optimizer state sharded with FSDP2.
 
 The world of W ranks is a 2-D mesh ``(dp, cp)``: ``cp = --context-parallel`` ranks share each
 sequence (seqpar attention over the ``cp`` axis), ``dp = W / cp`` groups take different sequences.
-A step takes ``--batch-size`` sequences (global); every rank computes the loss of its tokens divided
-by the global number of valid labels, and the gradients are summed over all W ranks, so a step is
-the same computation whatever ``cp`` and ``dp`` are (up to fp32 rounding).
+The model is built on the meta device and set up by :func:`seqpar.integrations.parallelize`
+(attention, checkpointing, compile, FSDP2 over all W ranks); its shards are filled from ``--model
+DIR`` or a seeded random init (:mod:`.build`). A step takes ``--batch-size`` sequences (global);
+every rank back-propagates the loss of its tokens divided by the global number of valid labels and
+FSDP2 sums the gradients over all W ranks, so a step is the same computation whatever ``cp`` and
+``dp`` are (up to fp32 rounding). Gradients are clipped on their global norm.
 
 Launch: ``--nproc N`` spawns N local CPU ranks (gloo); under ``torchrun`` the launched ranks are
-used (NCCL on GPUs, gloo on CPU); ``--nproc 1`` runs in this process. Checkpoints: see
-:mod:`.ckpt`. Data: see :mod:`.data`.
+used (NCCL on GPUs, gloo on CPU); ``--nproc 1`` runs in this process (no sharding, autocast for
+``--dtype``). Checkpoints: see :mod:`.ckpt`. Data: see :mod:`.data` and :mod:`.tokens`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,24 +30,12 @@ import torch.distributed as dist
 from ...comm.collectives import peer_errors
 from ...comm.launch import launched_by_torchrun, launched_process_group, usable_cores
 from ...comm.pool import WorkerPool
-from ..hf import apply_context_parallel
-from .ckpt import (
-    load_checkpoint,
-    model_fingerprint,
-    resolve_resume,
-    save_checkpoint,
-)
-from .config import (
-    TrainConfig,
-    global_batch,
-    load_model_config,
-    parse_args,
-    validate,
-    world_size_of,
-)
-from .data import PackedSequences, TextFiles
+from .build import Runtime, build_model, local_bytes, max_over_ranks, model_config, optimizer_bytes, setup_runtime
+from .ckpt import load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
+from .config import TrainConfig, global_batch, model_folder, open_data, parse_args, validate, world_size_of
+from .flops import attention_shape, peak_flops, step_flops
 from .log import TrainLog, plot_losses, summary
-from .step import Runtime, lr_at, maybe_crash, peak_memory_mib, static_step, sync
+from .step import clip_gradients, lr_at, maybe_crash, peak_memory_mib, static_step, sync
 
 
 @dataclass
@@ -106,49 +97,15 @@ def run(cfg: TrainConfig) -> TrainResult | None:
 # ----------------------------------------------------------------------------- one rank
 
 
-def _setup(cfg: TrainConfig) -> Runtime:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    device = torch.device("cpu")
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()):  # "nccl" or "cpu:gloo,cuda:nccl"
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    cp = cfg.context_parallel
-    dp, dp_rank, cp_group = world // cp, 0, None
-    if world > 1 and not cfg.adaptive:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
-        cp_group, dp_rank = mesh["cp"], mesh.get_local_rank("dp")
-    return Runtime(world, rank, dp, dp_rank, cp_group, device)
-
-
-def _build_model(cfg: TrainConfig, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(cfg.seed)  # the same weights on every rank
-    model = AutoModelForCausalLM.from_config(load_model_config(cfg.model_config))
-    model = model.float().to(device).train()
-    if cfg.checkpointing == "layer":
-        if hasattr(model, "activation_checkpointing_enable"):  # the name from transformers 5.x on
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif cfg.checkpointing == "attention":
-        from ...softmax.checkpoint import apply_checkpointing
-
-        apply_checkpointing(model, mode="attention")
-    return model
-
-
 @dataclass
 class _Run:
     """Everything one rank's training loop holds."""
 
     cfg: TrainConfig
     rt: Runtime
-    data: PackedSequences
+    data: object  # PackedSequences (bytes) or PackedTokenSequences (--model's tokenizer)
     model: torch.nn.Module
+    folder: object  # the --model ModelFolder, or None
     params: list
     optimizer: torch.optim.Optimizer
     batch: int
@@ -157,65 +114,88 @@ class _Run:
     result: TrainResult
     log: TrainLog
     runner: object = None  # the AdaptiveRunner of --adaptive
+    num_params: int = 0
+    shape: tuple = ()
+    peak: float | None = None
+
+
+def _adaptive_runner(cfg: TrainConfig, rt: Runtime, folder):
+    if not cfg.adaptive:
+        return None
+    from .adaptive import AdaptiveRunner
+    from .config import adaptive_models
+
+    cluster, cost = adaptive_models(cfg, rt.world, model_config(cfg, folder))
+    return AdaptiveRunner(rt.world, rt.rank, cost_model=cost, cluster=cluster)
+
+
+def _resume(cfg: TrainConfig, run: "_Run") -> None:
+    resume_from = resolve_resume(cfg.resume, cfg.save)
+    meta = (load_checkpoint(resume_from, run.model, run.optimizer, run.fingerprint)
+            if resume_from is not None else None)
+    if meta is not None:
+        run.result.start_step, run.result.history = meta["step"], list(meta.get("history", []))
+    run.log = TrainLog(cfg, run.rt.rank == 0, run.result.start_step, resume_from is not None)
+    if meta is not None:
+        changed = [k for k, v in run.settings.items() if meta.get("settings", {}).get(k) != v and k != "data_root"]
+        saved = meta.get("run", {})
+        run.log.info(f"resumed from {resume_from} at step {run.result.start_step} (saved by {saved.get('world')} "
+                     f"rank(s) with {saved.get('context_parallel')}-way context parallelism)")
+        if changed:
+            run.log.info(f"warning: {', '.join(changed)} differ from the saved run: the data order is not the one "
+                         "the interrupted run would have seen")
 
 
 def _start(cfg: TrainConfig) -> _Run:
-    """Data, model, optimizer, resumed state, log and the context-parallel attention of this rank."""
-    rt = _setup(cfg)
-    files = TextFiles.scan(cfg.data_dir, cfg.glob)
-    model = _build_model(cfg, rt.device)
+    """Data, model (sharded, filled), optimizer, resumed state and log of this rank."""
+    rt = setup_runtime(cfg)
+    folder = model_folder(cfg)
+    data = open_data(cfg, folder)
+    runner = _adaptive_runner(cfg, rt, folder)
+    model = build_model(cfg, rt, folder, before_shard=runner.register if runner is not None else None)
+    if runner is not None:
+        runner.model = model
+    else:
+        rt = dataclasses.replace(rt, cp_group=model.seqpar_cp_group)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     batch = global_batch(cfg, rt.world)
-    settings = {"data_root": files.root, "data_glob": cfg.glob, "data_fingerprint": files.fingerprint,
+    fingerprint = getattr(data, "fingerprint", None) or data.files.fingerprint
+    settings = {"data_root": data.files.root, "data_glob": cfg.glob, "data_fingerprint": fingerprint,
                 "seq_len": cfg.seq_len, "batch_size": batch, "seed": cfg.seed}
-    result, fingerprint = TrainResult(), model_fingerprint(model)
-    resume_from = resolve_resume(cfg.resume, cfg.save)
-    meta = load_checkpoint(resume_from, model, optimizer, fingerprint) if resume_from is not None else None
-    if meta is not None:
-        result.start_step, result.history = meta["step"], list(meta.get("history", []))
-    log = TrainLog(cfg, rt.rank == 0, result.start_step, resume_from is not None)
-    if meta is not None:
-        changed = [k for k, v in settings.items() if meta.get("settings", {}).get(k) != v and k != "data_root"]
-        log.info(f"resumed from {resume_from} at step {result.start_step} (saved with "
-                 f"{meta.get('run', {}).get('context_parallel')}-way context parallelism)")
-        if changed:
-            log.info(f"warning: {', '.join(changed)} differ from the saved run: the data order is not the one "
-                     "the interrupted run would have seen")
-    run = _Run(cfg, rt, PackedSequences(files, cfg.seq_len, cfg.seed), model, params, optimizer, batch, settings,
-               fingerprint, result, log)
-    if cfg.adaptive:
-        from .adaptive import AdaptiveRunner
-        from .config import adaptive_models
-
-        cluster, cost = adaptive_models(cfg, rt.world, model.config)
-        run.runner = AdaptiveRunner(model, rt.world, rt.rank, cost_model=cost, cluster=cluster)
-    else:
-        apply_context_parallel(model, group=rt.cp_group, method=cfg.cp_method)
+    run = _Run(cfg, rt, data, model, folder, params, optimizer, batch, settings, model_fingerprint(model),
+               TrainResult(), None, runner, num_params=sum(p.numel() for p in params),
+               shape=attention_shape(model.config), peak=peak_flops(rt.device, cfg.dtype))
+    _resume(cfg, run)
+    param_bytes = max_over_ranks(local_bytes(params), rt, "parameter bytes all-reduce")
     mode = "adaptive" if cfg.adaptive else f"cp={cfg.context_parallel} ({cfg.cp_method}) x dp={rt.dp}"
-    log.info(f"seqpar train: {rt.world} rank(s) on {rt.device.type}, {mode}; {sum(p.numel() for p in params):,} "
-             f"parameters; {batch} x {cfg.seq_len} tokens per step; data {files.root} ({len(files.paths)} files, "
-             f"{run.data.per_epoch} sequences per epoch, its last {run.data.unused} tokens unused)")
-    log.event({"event": "start", "config": cfg.to_dict(), "world": rt.world, "packed": True,
-               "start_step": result.start_step})
+    source = f"model {cfg.model}" if cfg.model else "random weights"
+    shards = f"FSDP2 over {rt.world} rank(s)" if rt.mesh is not None else "one process, unsharded"
+    run.log.info(f"seqpar train: {rt.world} rank(s) on {rt.device.type}, {mode}, {shards}; "
+                 f"{run.num_params:,} parameters ({source}; {param_bytes / 2**20:,.1f} MiB on the largest rank); "
+                 f"{batch} x {cfg.seq_len} tokens per step; data {data.files.root} ({len(data.lengths)} documents, "
+                 f"{data.per_epoch} sequences per epoch, its last {data.unused} tokens unused)")
+    run.log.event({"event": "start", "config": cfg.to_dict(), "world": rt.world, "packed": True,
+                   "start_step": run.result.start_step, "params": run.num_params, "param_bytes_local": param_bytes})
     return run
 
 
 def _step(run: _Run, step: int, autocast):
-    """Forward, backward and gradient sum of one step: ``(loss, plan or None)``."""
+    """Forward and backward of one step: ``(loss, sum of squared document lengths, plan or None)``."""
     cfg, rt = run.cfg, run.rt
     if run.runner is None:
-        return static_step(cfg, rt, run.data, run.model, run.params, run.batch, step, autocast), None
-    lengths = [cfg.seq_len] * run.batch  # the scheduler's executor: plan, GroupCache, train_step
+        loss, squares = static_step(cfg, rt, run.data, run.model, run.batch, step, autocast)
+        return loss, squares, None
+    lengths = [cfg.seq_len] * run.batch
     plan = run.runner.plan(lengths)
-    maybe_crash(cfg, rt.rank, step)
     first = (step - 1) * run.batch
-    loss = run.runner.step(plan, lengths, lambda i: run.data.sequence(first + i), run.params,
-                           device=rt.device, autocast=autocast)
-    return loss, plan
+    loss, squares = run.runner.step(plan, lengths, lambda i: run.data.sequence(first + i), rt, autocast=autocast)
+    maybe_crash(cfg, rt.rank, step)
+    return loss, squares, plan
 
 
-def _record(run: _Run, step: int, loss: float, plan, lr: float, grad_norm: float, dt: float, cpu_s: float) -> dict:
+def _record(run: _Run, step: int, loss: float, squares: float, plan, lr: float, grad_norm: float, dt: float,
+            cpu_s: float) -> dict:
     """The step's record (peak memory the max over ranks, CPU seconds summed: on a shared machine wall
     time measures the neighbours too)."""
     cfg, rt = run.cfg, run.rt
@@ -225,9 +205,12 @@ def _record(run: _Run, step: int, loss: float, plan, lr: float, grad_norm: float
         with peer_errors(name="step record all-reduce"):
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             dist.all_reduce(cpu)
-    rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": run.batch * cfg.seq_len,
-           "step_time_s": dt, "tokens_per_s": run.batch * cfg.seq_len / dt, "peak_mem_mib": float(mem[0]),
-           "cpu_s": float(cpu[0]), "world": rt.world,
+    tokens = run.batch * cfg.seq_len
+    flops = step_flops(run.num_params, tokens, squares, run.shape)
+    rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+           "step_time_s": dt, "tokens_per_s": tokens / dt, "peak_mem_mib": float(mem[0]),
+           "cpu_s": float(cpu[0]), "world": rt.world, "model_flops": flops,
+           "mfu": flops / (dt * rt.world * run.peak) if run.peak else None,
            "context_parallel": None if cfg.adaptive else cfg.context_parallel}
     if plan is not None:
         rec["groups"] = [[g.start, g.size, g.method, len(g.seqs)] for g in plan.groups]
@@ -240,34 +223,53 @@ def _maybe_save(run: _Run, step: int) -> None:
         meta = {"step": step, "model": run.fingerprint, "settings": run.settings, "history": run.result.history,
                 "run": {"world": run.rt.world, "context_parallel": cfg.context_parallel,
                         "cp_method": cfg.cp_method, "adaptive": cfg.adaptive, "lr": cfg.lr,
-                        "steps": cfg.steps, "dtype": cfg.dtype}}
+                        "steps": cfg.steps, "dtype": cfg.dtype, "model": cfg.model}}
         path = save_checkpoint(cfg.save, step, run.model, run.optimizer, meta)
         run.result.checkpoint = str(path)
         run.log.info(f"saved {path}")
 
 
+def _train_step(run: _Run, step: int, autocast) -> dict:
+    cfg = run.cfg
+    sync(run.rt.device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    loss, squares, plan = _step(run, step, autocast)
+    grad_norm = clip_gradients(run.params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    lr = lr_at(cfg, step)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    sync(run.rt.device)
+    return _record(run, step, loss, squares, plan, lr, grad_norm, time.perf_counter() - t0, time.process_time() - c0)
+
+
+def _finish(run: _Run) -> None:
+    """End record (optimizer bytes), and ``--export-hf`` gathered from the shards (collective)."""
+    cfg = run.cfg
+    optim = max_over_ranks(optimizer_bytes(run.optimizer), run.rt, "optimizer bytes all-reduce")
+    if cfg.export_hf:
+        from .model_io import export_hf
+
+        config = run.folder.config if run.folder is not None else model_config(cfg, None)
+        export_hf(run.model, cfg.export_hf, config=config,
+                  tokenizer=run.folder.tokenizer if run.folder is not None else None)
+        run.log.info(f"exported {cfg.export_hf}")
+    summary(run.log, run.result, {"optim_bytes_local": optim, "export_hf": cfg.export_hf})
+
+
 def _rank_main(cfg: TrainConfig) -> TrainResult | None:
     run = _start(cfg)
-    autocast = (torch.autocast(run.rt.device.type, dtype=getattr(torch, cfg.dtype)) if cfg.dtype != "float32"
-                else contextlib.nullcontext())
+    single = run.rt.mesh is None  # one process: no FSDP2 mixed precision, so autocast
+    autocast = (torch.autocast(run.rt.device.type, dtype=getattr(torch, cfg.dtype))
+                if cfg.dtype != "float32" and single else contextlib.nullcontext())
     try:
         for step in range(run.result.start_step + 1, cfg.steps + 1):
-            sync(run.rt.device)
-            t0, c0 = time.perf_counter(), time.process_time()
-            loss, plan = _step(run, step, autocast)
-            clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, clip))
-            lr = lr_at(cfg, step)
-            for g in run.optimizer.param_groups:
-                g["lr"] = lr
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            sync(run.rt.device)
-            rec = _record(run, step, loss, plan, lr, grad_norm, time.perf_counter() - t0, time.process_time() - c0)
+            rec = _train_step(run, step, autocast)
             run.result.history.append(rec)
             run.log.step(rec)
             _maybe_save(run, step)
-        summary(run.log, run.result)
+        _finish(run)
     finally:
         run.log.close()
     return run.result if run.rt.rank == 0 else None
