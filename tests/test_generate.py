@@ -224,7 +224,8 @@ def test_cli_generate_end_to_end(folders, tmp_path, capsys):
     prompt.write_text("the river walked into the quiet station and found an ancient letter about the winter")
     report = tmp_path / "report.json"
     assert main(["generate", "--model", folders["llama"], "--prompt-file", str(prompt), "--nproc", "2",
-                 "--method", "zigzag_ring", "--max-new-tokens", "5", "--json", str(report), "--no-progress"]) == 0
+                 "--method", "zigzag_ring", "--max-new-tokens", "5", "--json", str(report), "--no-progress",
+                 "--decode-combine", "tree"]) == 0
     printed = capsys.readouterr().out
     got = json.loads(report.read_text())
     tok = AutoTokenizer.from_pretrained(folders["llama"])
@@ -234,6 +235,15 @@ def test_cli_generate_end_to_end(folders, tmp_path, capsys):
     assert got["new_tokens"] == ref[0, ids.shape[1]:].tolist()
     assert got["ranks"] == 2 and got["prompt_tokens"] == ids.shape[1] and len(got["kv_bytes_per_rank"]) == 2
     assert "tokens/s" in printed and "KV bytes per rank" in printed and got["text"] in printed
+    assert got["decode_combine"] == ["tree"] and got["choices"][0]["prefill"] == "method"
+    # sampling, on one rank (the ranks' agreement under sampling: test_sampling_same_tokens_on_every_rank)
+    assert main(["generate", "--model", folders["llama"], "--prompt-file", str(prompt), "--max-new-tokens", "6",
+                 "--sample", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--json", str(report),
+                 "--no-progress"]) == 0
+    torch.manual_seed(3)
+    ref = _load(folders["llama"]).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=True,
+                                          temperature=0.8, top_p=0.9, pad_token_id=tok.pad_token_id)
+    assert json.loads(report.read_text())["new_tokens"] == ref[0, ids.shape[1]:].tolist()
 
 
 def _cache_api(path):

@@ -64,6 +64,7 @@ class GenerateResult:
     prefill_comm_bytes: int
     decode_comm_bytes_per_token: float
     choices: list[dict]
+    decode_combine: list[str] = dataclasses.field(default_factory=list)
 
 
 def parse_args(argv: list[str]) -> GenerateConfig:
@@ -194,7 +195,8 @@ def _rank_main(cfg: GenerateConfig) -> GenerateResult | None:
         decode_tokens_per_s=(len(new) - 1) / (end - first) if len(new) > 1 and end > first else 0.0,
         kv_bytes_per_rank=sizes.tolist(), prefill_comm_bytes=comm["prefill_bytes"],
         decode_comm_bytes_per_token=comm["decode_bytes_per_token"],
-        choices=[{k: v for k, v in h.items() if v is not None} for h in cache.history if h["phase"] == "prefill"])
+        choices=[{k: v for k, v in h.items() if v is not None} for h in cache.history if h["phase"] == "prefill"],
+        decode_combine=sorted({h["combine"] for h in cache.history if h["combine"]}))
 
 
 def _print(r: GenerateResult) -> None:
@@ -204,4 +206,4 @@ def _print(r: GenerateResult) -> None:
     print("KV bytes per rank: " + ", ".join(f"{b:,}" for b in r.kv_bytes_per_rank)
           + f" (total {sum(r.kv_bytes_per_rank):,})")
     print(f"sent per rank: {r.prefill_comm_bytes:,} B in the prefill, "
-          f"{r.decode_comm_bytes_per_token:,.0f} B per decoded token")
+          f"{r.decode_comm_bytes_per_token:,.0f} B per decoded token (combine: {', '.join(r.decode_combine) or '-'})")
