@@ -181,6 +181,44 @@ def test_causal_lm_loss_under_fsdp(tmp_path):
             assert _rel(rank_grads[n], p.grad) < 1e-5, n
 
 
+def _cp_loss(path: str, chunk_size: int, cu: list[int]):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seqpar.integrations.hf import shard_inputs
+    from seqpar.integrations.parallelize import parallelize
+    from seqpar.integrations.train.model_io import build_meta_model, load_folder, load_sharded_weights
+
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "cp"))
+    folder = load_folder(path)
+    model = parallelize(build_meta_model(folder.config), mesh, cp_method="zigzag_ring")
+    load_sharded_weights(model, folder)
+    ids = torch.randint(0, folder.config.vocab_size, (1, cu[-1]), generator=torch.Generator().manual_seed(5))
+    shard = shard_inputs(ids, cu_seqlens=cu, group=model.seqpar_cp_group, method="zigzag_ring")
+    loss = causal_lm_loss(model, labels=shard.labels, chunk_size=chunk_size, **shard.model_kwargs())
+    loss.backward()
+    return loss.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_causal_lm_loss_context_parallel_packed(tmp_path):
+    """cp=2 (zigzag_ring) over two packed documents: the ranks' losses sum to the documents' loss and
+    the summed gradients are the single-process ones (the kwargs reach the decoder unchanged)."""
+    pytest.importorskip("transformers")
+    from model_folders import llama_folder
+    from transformers import AutoModelForCausalLM
+
+    path = llama_folder(tmp_path / "m", tied=False)
+    cu = [0, 11, 28]
+    results = run_distributed(_cp_loss, 2, str(path), 4, cu, timeout=240)
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    ids = torch.randint(0, model.config.vocab_size, (1, cu[-1]), generator=torch.Generator().manual_seed(5))
+    ref = sum(_model_reference(model, ids[:, a:b], torch.cat([ids[:, a + 1:b], torch.full((1, 1), -100)], 1))
+              for a, b in zip(cu, cu[1:]))
+    ref.backward()
+    assert _rel(results[0][0] + results[1][0], ref) < 1e-6
+    for n, p in model.named_parameters():
+        assert _rel(results[0][1][n], p.grad) < 1e-5, n
+
+
 # ---------------------------------------------------------------- memory
 
 def _peak(chunk_size, n=1024, v=2048, d=32):

@@ -199,9 +199,13 @@ def _local_index(tensor: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]
     return tuple(slice(o, o + n) for o, n in zip(offset, shape)), local
 
 
-def _materialize(model, device, argument: str) -> None:
-    """``to_empty`` a meta model, then recompute its non-persistent buffers (RoPE ``inv_freq``) with
-    the model's own initialiser; a float buffer that stays unset raises instead of holding garbage."""
+def materialize(model, device=None, argument: str = "--model") -> None:
+    """Give a meta model (plain or FSDP2-sharded) real, uninitialised storage: ``to_empty`` on
+    ``device`` (default: the DTensor mesh's device type, else CPU), plain tied weights tied again,
+    and non-persistent buffers (RoPE ``inv_freq``) recomputed with the model's own initialiser; a
+    float buffer that stays unset raises ValueError naming ``argument`` instead of holding garbage.
+    Parameters and persistent buffers are left to the caller (:func:`load_sharded_weights`, or a
+    random initialisation)."""
     if device is None:
         device = next((t.device_mesh.device_type for t in model.parameters() if hasattr(t, "device_mesh")),
                       "cpu")
@@ -230,6 +234,9 @@ def _materialize(model, device, argument: str) -> None:
                              f"meta-device construction; this model type cannot be loaded this way")
 
 
+_materialize = materialize  # the earlier private name
+
+
 @torch.no_grad()
 def load_sharded_weights(model, folder: ModelFolder | str | os.PathLike, *, device=None,
                          argument: str = "--model") -> list[str]:
@@ -251,7 +258,7 @@ def load_sharded_weights(model, folder: ModelFolder | str | os.PathLike, *, devi
     if not isinstance(folder, ModelFolder):
         folder = load_folder(folder, argument=argument)
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
-        _materialize(model, device, argument)
+        materialize(model, device, argument)
     reader, used = _Reader(folder), set()
     for names, tensor in _aliases(model):
         found = next((n for n in names if n in folder.weights), None)
