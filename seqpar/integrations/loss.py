@@ -20,6 +20,11 @@ torch otherwise.
 (``fully_shard`` on the root, as :func:`seqpar.integrations.parallelize.parallelize` does): it runs
 the decoder for the final hidden states and the chunked loss with the output embedding inside one
 FSDP-registered forward method, so the (possibly tied) ``lm_head`` weight is the unsharded one.
+In a context-parallel training step::
+
+    shard = shard_inputs(ids, cu_seqlens=cu, group=model.seqpar_cp_group, method=cp_method)
+    loss_sum = causal_lm_loss(model, labels=shard.labels, **shard.model_kwargs())
+    (loss_sum / global_label_count).backward()   # parallelize sums the ranks' gradients
 """
 
 from __future__ import annotations
