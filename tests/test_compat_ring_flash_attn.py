@@ -355,12 +355,17 @@ VOCAB = 96
 DOC_LENS = (5, 13, 1, 20, 9, 3)  # a one-token document; documents cross the rank boundaries
 
 
-def _tiny_llama(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny_model(kind, seed=0):
+    """A tiny GQA Llama, or Mistral with a sliding window of 5 tokens (shorter than most documents)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = MistralForCausalLM(MistralConfig(**common, head_dim=16, sliding_window=5))
     with torch.no_grad():  # larger weights than initializer_range: sharper logits, a sharper comparison
         for p in model.parameters():
             if p.dim() >= 2:
@@ -384,7 +389,7 @@ def _packed_batch(n):
     return ids, pos, labels, cu
 
 
-def _hf_adapter():
+def _hf_adapter(kind):
     """Logits and every summed parameter gradient of the drop-in path against the single-process
     model (sdpa, documents masked apart by the position ids); then use_ring_attn(False) goes back."""
     import copy
@@ -396,7 +401,7 @@ def _hf_adapter():
     rank, n = world()
     ids, pos, labels, cu = _packed_batch(n)
     count = int((labels != -100).sum())
-    ref = _tiny_llama()
+    ref = _tiny_model(kind)
     ref.config._attn_implementation = "sdpa"
     logits_ref = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
     F_ce = torch.nn.functional.cross_entropy
@@ -422,24 +427,26 @@ def _hf_adapter():
             dist.all_reduce(grad)  # every rank holds its tokens' share of the gradient
             errs[name] = rel_err(grad, p_ref.grad)
         rfa.use_ring_attn(False)  # back to the replaced function (sdpa here): causal over the local piece alone
-        with torch.no_grad():
+        with torch.no_grad():  # (Llama: without a mask, transformers' sdpa function knows no sliding window)
             local_only = model(input_ids=ids[:, mine], position_ids=pos[:, mine], use_cache=False).logits
             # the same with the sdpa model (a mask of ones: no document separation from the position ids)
             alone = ref(input_ids=ids[:, mine], position_ids=pos[:, mine], attention_mask=torch.ones_like(ids[:, mine]),
                         use_cache=False).logits
-        errs["use_ring_attn(False)"] = rel_err(local_only, alone)
+        if kind == "llama":
+            errs["use_ring_attn(False)"] = rel_err(local_only, alone)
     finally:
         rfa.use_ring_attn(True)
         ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = before
     return errs
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_hf_adapter_matches_single_process_model(n):
-    """substitute_hf_flash_attn + update_ring_flash_attn_params on a tiny GQA Llama fed contiguous
-    pieces of a packed stream: gathered logits and summed gradients equal the single-process model's
-    (fp32: two summation orders of the same rounding, 2e-5 of the largest magnitude)."""
-    for rank, errs in enumerate(run_distributed(_hf_adapter, n, timeout=TIMEOUT)):
+@pytest.mark.parametrize("n,kind", [(2, "llama"), (3, "llama"), (2, "mistral")])
+def test_hf_adapter_matches_single_process_model(n, kind):
+    """substitute_hf_flash_attn + update_ring_flash_attn_params on a tiny GQA model fed contiguous
+    pieces of a packed stream (Mistral: its sliding window too): gathered logits and summed gradients
+    equal the single-process model's (fp32: two summation orders of the same rounding, 2e-5 of the
+    largest magnitude)."""
+    for rank, errs in enumerate(run_distributed(_hf_adapter, n, kind, timeout=TIMEOUT)):
         assert len(errs) > 10  # logits, every parameter, the switch
         for name, e in errs.items():
             assert e <= FP32_TOL, f"rank {rank} {name}: error {e:.2e} > {FP32_TOL:.0e}"
