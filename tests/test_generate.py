@@ -2,7 +2,8 @@
 ``generate()`` with transformers' default cache.
 
 Models: real-format folders from tests/model_folders.py (a Llama with GQA, 4 query heads over 2 KV
-heads; a gpt-oss with sliding-window layers alternating with full ones, and sinks on every layer).
+heads; a gpt-oss with sliding-window layers alternating with full ones, and sinks on every layer)
+and two saved here (a Mistral with a window on every layer; a Gemma-3 alternating local and global).
 Each rank loads the folder, converts its copy and generates from the whole prompt; the reference is
 the unconverted model in the same process. Compared, in fp32: the tokens (equal) and every step's
 logits. The context-parallel run changes only the order of the softmax sums (blockwise, running
@@ -32,10 +33,33 @@ REL_TOL = 1e-4  # see the module docstring: measured <= 1.5e-6
 PROMPT, TURN, NEW = 13, 7, 6
 
 
+def _config_folder(path, kind: str) -> str:
+    """A Mistral (a 5-token window on every layer) or Gemma-3 (5-token local layers alternating with
+    global ones) folder of random weights, GQA 4/2."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=5, pad_token_id=0,
+                  eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    if kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common))
+    else:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, query_pre_attn_scalar=16,
+                                                   layer_types=["sliding_attention", "full_attention"]))
+    with torch.no_grad():  # larger than the default init: logits far from uniform
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate_models")
-    return {"llama": str(llama_folder(root / "llama")), "windowed": str(windowed_folder(root / "windowed"))}
+    return {"llama": str(llama_folder(root / "llama")), "windowed": str(windowed_folder(root / "windowed")),
+            "mistral": _config_folder(root / "mistral", "mistral"), "gemma3": _config_folder(root / "gemma3", "gemma3")}
 
 
 def _load(path):
@@ -86,11 +110,14 @@ def _cases(cases):
 
 
 # (folder, method, prefill, decode combine, batch, seed): every prefill choice, both combines,
-# windows + sinks, batch 2, and both automatic choices
+# windows + sinks (gpt-oss), windows on every layer (Mistral), alternating local/global layers
+# (gpt-oss, Gemma-3), batch 2, and both automatic choices
 CASES_2 = [("llama", "zigzag_ring", "pass_kv", "allgather", 1, 0), ("llama", "ring", "pass_q", "tree", 2, 1),
            ("windowed", "striped_ring", "pass_q", "allgather", 1, 2),
-           ("windowed", "zigzag_ring", "pass_kv", "tree", 1, 3), ("llama", "token_ring", "auto", "auto", 1, 4)]
-CASES_3 = [("llama", "zigzag_ring", "pass_q", "tree", 1, 5), ("windowed", "allgather_kv", "pass_kv", "allgather", 1, 6)]
+           ("windowed", "zigzag_ring", "pass_kv", "tree", 1, 3), ("llama", "token_ring", "auto", "auto", 1, 4),
+           ("mistral", "zigzag_ring", "pass_q", "tree", 1, 10)]
+CASES_3 = [("llama", "zigzag_ring", "pass_q", "tree", 1, 5), ("windowed", "allgather_kv", "pass_kv", "allgather", 1, 6),
+           ("gemma3", "ring", "pass_kv", "allgather", 1, 11)]
 CASES_4 = CASES_2 + [("windowed", "lightseq", "pass_q", "tree", 2, 7), ("llama", "ulysses", "pass_kv", "tree", 1, 8),
                      ("llama", "usp", "pass_q", "allgather", 1, 9)]
 
