@@ -2,8 +2,9 @@
 group, for ``generate()`` on a model converted by :func:`~seqpar.integrations.hf.apply_context_parallel`.
 
     model = apply_context_parallel(model, group=g, method="zigzag_ring")
-    with torch.no_grad():                                       # generate() already is
-        out = model.generate(input_ids, past_key_values=ShardedCache(group=g), max_new_tokens=64)
+    out = model.generate(input_ids, cache=ShardedCache(group=g), max_new_tokens=64)
+    # older transformers: past_key_values=ShardedCache(group=g); a plain forward: model(ids, cache=c)
+    # under torch.no_grad(), with logits_to_keep=1 to gather only the last hidden row
 
 Every rank passes the whole prompt ``[B, T]`` and gets the whole sequence back. Inside:
 
