@@ -54,9 +54,10 @@ def main():
     packed = [x[0, piece].detach().clone().requires_grad_() for x in (q, k, v)]
     stream_out = ring_flash_attn.llama3_flash_attn_varlen_func(*packed, cu_q, cu_k, max_q, max_k, heads_k_stride=1,
                                                                local_k_slice=k_slice, causal=True)
-    docs = [F.scaled_dot_product_attention(*(x[:, :, a:b] for x in (q.transpose(1, 2), k.transpose(1, 2),
-                                                                       v.transpose(1, 2))), is_causal=True,
-                                           enable_gqa=True) for a, b in zip(cu_seqlens.tolist(), cu_seqlens[1:].tolist())]
+    bounds = cu_seqlens.tolist()
+    heads_first = [x.transpose(1, 2) for x in (q, k, v)]
+    docs = [F.scaled_dot_product_attention(*(x[:, :, a:b] for x in heads_first), is_causal=True, enable_gqa=True)
+            for a, b in zip(bounds, bounds[1:])]
     stream_ref = torch.cat(docs, dim=2).transpose(1, 2)[0, piece]
     errors["llama3 out"] = (stream_out - stream_ref).abs().max().item()
 

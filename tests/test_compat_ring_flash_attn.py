@@ -13,6 +13,8 @@ single-process model (logits and every parameter gradient); bad inputs raise on 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -202,8 +204,8 @@ def _one_case(case):
         base_in = [x.unsqueeze(0) if varlen else x for x in (q, k, v, dout)]
         base = _low_precision_reference(*(x.to(dtype) for x in base_in), allowed)
         # the baseline's error on the same rows as this rank's (a slice's largest value sets the scale)
-        row["base"] = [rel_err(*(_cut(x, how, rank, n, dim=0 if varlen else 1, cu=cu) for x in (b[0] if varlen else b, e)))
-                       for b, e in zip(base, expect)]
+        cut = functools.partial(_cut, how=how, rank=rank, n=n, dim=0 if varlen else 1, cu=cu)
+        row["base"] = [rel_err(cut(b[0] if varlen else b), cut(e)) for b, e in zip(base, expect)]
     return row
 
 
@@ -222,7 +224,8 @@ def _check(results, cases):
                     assert e <= FP32_TOL, f"{label} {name}: error {e:.2e} > {FP32_TOL:.0e}"
                 else:
                     bound = BF16_FACTOR * row["base"][i] + BF16_FLOOR
-                    assert e <= bound, f"{label} {name}: error {e:.2e} > 2 x bf16 reference {row['base'][i]:.2e} + floor"
+                    assert e <= bound, \
+                        f"{label} {name}: error {e:.2e} > 2 x bf16 reference {row['base'][i]:.2e} + floor"
             if case["lse"]:
                 assert row["lse_shape_ok"], f"{label}: lse has the wrong shape"
                 tol = LSE_TOL[case["dtype"]]
@@ -308,8 +311,8 @@ def _stream_attention(dtype):
         out.backward(seqpar.shard(dout.to(dtype), method="ring", cu_seqlens=layout))
         got = [seqpar.unshard(x, method="ring", cu_seqlens=layout) for x in (out.detach(), *(t.grad for t in local))]
         errs = [rel_err(a, b) for a, b in zip(got, (out_ref.detach(), *(t.grad for t in ref)))]
-        base = [rel_err(a, b) for a, b in zip(_low_precision_reference(*(x.to(dtype) for x in (q, k, v, dout)), allowed),
-                                              (out_ref.detach(), *(t.grad for t in ref)))]
+        low = _low_precision_reference(*(x.to(dtype) for x in (q, k, v, dout)), allowed)
+        base = [rel_err(a, b) for a, b in zip(low, (out_ref.detach(), *(t.grad for t in ref)))]
         rows.append((causal, window, errs, base, tuple(local[0].shape)))
     return rows
 
@@ -471,7 +474,8 @@ def _bad_inputs():
         "qkv": lambda: rfa.ring_flash_attn_qkvpacked_func(torch.randn(1, 4 * n, 2, 4, 8), causal=True),
         "cu_seqlens": lambda: rfa.zigzag_ring_flash_attn_varlen_func(
             flat_q, flat_kv, flat_kv, torch.tensor([0, 1, 4 * n], dtype=torch.int32), 4 * n, causal=True),
-        "varlen dropout_p": lambda: rfa.ring_flash_attn_varlen_func(flat_q, flat_kv, flat_kv, cu // n, 2, dropout_p=0.5),
+        "varlen dropout_p": lambda: rfa.ring_flash_attn_varlen_func(flat_q, flat_kv, flat_kv, cu // n, 2,
+                                                                    dropout_p=0.5),
         "heads_k_stride": lambda: rfa.llama3_flash_attn_varlen_func(
             torch.randn(4 * n, 4, 8), torch.randn(4 * n, 2, 8), torch.randn(4 * n, 2, 8), cq, ck, mq, mk, 3, ks,
             causal=True),

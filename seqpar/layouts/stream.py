@@ -106,7 +106,8 @@ def check_stream_method(method) -> None:
     if method != STREAM_METHOD:
         raise ValueError(f"method={method!r}: a stream layout (seqpar.packed_layout(..., split='stream')) cuts the "
                          f"packed stream into contiguous pieces, which is method={STREAM_METHOD!r}'s layout; pass "
-                         f"method={STREAM_METHOD!r} (its schedule fetches only the K,V rows each rank's documents need)")
+                         f"method={STREAM_METHOD!r} (its schedule fetches only the K,V rows each rank's documents "
+                         "need)")
 
 
 def _check_fits(layout: StreamLayout, info: GroupInfo, rows: int | None, argument: str) -> None:

@@ -83,7 +83,8 @@ def stream_setup(q, k, method: str, group, layout: StreamLayout) -> StreamLayout
     for name, x in (("q", q), ("k", k)):
         if x.shape[0] != 1 or x.shape[1] != layout.t_local:
             raise ValueError(f"{name} has shape {tuple(x.shape)}: with a stream layout a rank holds its contiguous "
-                             f"piece [1, {layout.t_local}, H, D] of the packed stream [1, {layout.total_tokens}, H, D]; "
+                             f"piece [1, {layout.t_local}, H, D] of the packed stream "
+                             f"[1, {layout.total_tokens}, H, D]; "
                              "cut it with seqpar.shard(x, method='ring', cu_seqlens=layout)")
     return layout
 

@@ -3,9 +3,11 @@ seqpar's (or refused), the call itself, and the log-sum-exp of ``return_attn_pro
 
 The output always comes from :func:`seqpar.attention` (its checks, rank agreement, tracing and
 checkpointing apply). The peer's own arguments are checked first, on every rank, by :func:`checked`:
-a mistake made on one rank only raises on every rank instead of leaving the others waiting. ``return_attn_probs=True`` also needs the merged log-sum-exp, which
-``seqpar.attention`` does not return: it is taken from one more forward run of the same schedule on
-seqpar's executor (no autograd), so asking for it costs a second attention forward.
+a mistake made on one rank only raises on every rank instead of leaving the others waiting.
+
+``return_attn_probs=True`` also needs the merged log-sum-exp, which ``seqpar.attention`` does not
+return: it is taken from one more forward run of the same schedule on seqpar's executor (no
+autograd), so asking for it costs a second attention forward.
 """
 
 from __future__ import annotations

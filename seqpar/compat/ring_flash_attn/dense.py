@@ -80,7 +80,8 @@ def _family(method: str, doc: str):
 ring_flash_attn_func, ring_flash_attn_kvpacked_func, ring_flash_attn_qkvpacked_func = _family(
     "ring", "Attention over contiguous shards (rank r holds tokens [r·T/N, (r+1)·T/N)), seqpar method 'ring'.")
 zigzag_ring_flash_attn_func, zigzag_ring_flash_attn_kvpacked_func, zigzag_ring_flash_attn_qkvpacked_func = _family(
-    "zigzag_ring", "Attention over zigzag shards (rank r holds chunks r and 2N-1-r of 2N), seqpar method 'zigzag_ring'.")
+    "zigzag_ring",
+    "Attention over zigzag shards (rank r holds chunks r and 2N-1-r of 2N), seqpar method 'zigzag_ring'.")
 stripe_flash_attn_func, stripe_flash_attn_kvpacked_func, stripe_flash_attn_qkvpacked_func = _family(
     "striped_ring", "Attention over striped shards (token i on rank i mod N), seqpar method 'striped_ring'.")
 
