@@ -8,6 +8,7 @@ comparison is exact: torch.equal, no tolerance.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -86,6 +87,23 @@ def test_pickled_weights_need_opt_in(tmp_path):
     assert folder.pickled
     model = build_meta_model(folder.config)
     load_sharded_weights(model, folder)
+    _assert_same(model, ref)
+
+
+def test_sharded_pickles_with_an_index(tmp_path):
+    path = llama_folder(tmp_path / "m", tied=False)
+    ref = _reference(path)
+    names = [k for k in ref if not k.startswith("buffer:")]
+    halves = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, part in halves.items():
+        torch.save({k: ref[k] for k in part}, path / file)
+    index = {"weight_map": {k: f for f, part in halves.items() for k in part}}
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    os.remove(path / "model.safetensors")
+    with pytest.raises(ValueError, match="--model: .*pickled checkpoint"):
+        load_folder(path)
+    model = build_meta_model(load_folder(path, trust_pickle=True).config)
+    load_sharded_weights(model, load_folder(path, trust_pickle=True))
     _assert_same(model, ref)
 
 

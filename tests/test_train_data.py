@@ -143,6 +143,14 @@ def test_tokenizer_without_bos(tmp_path, tok):
     assert docs.read(1, 0, docs.lengths[1]) == no_bos(DOCS[1], add_special_tokens=False)["input_ids"] + [2]
 
 
+def test_tokenizer_without_eos_is_refused(tmp_path, tok):
+    from transformers import PreTrainedTokenizerFast
+
+    no_eos = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, bos_token="<bos>")
+    with pytest.raises(ValueError, match="--model: the tokenizer has no EOS token"):
+        Documents.scan(_write_text(tmp_path / "d", DOCS[:3]), no_eos)
+
+
 def test_bad_data_names_the_flag(tmp_path, tok, monkeypatch):
     with pytest.raises(ValueError, match="--data: .* does not exist"):
         Documents.scan(tmp_path / "absent", tok)
