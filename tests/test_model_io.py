@@ -216,3 +216,26 @@ def test_hsdp_shards_load(tmp_path):
     path = llama_folder(tmp_path / "m", tied=False)
     run_distributed(_fsdp_load_and_export, 4, str(path), None, str(windowed_folder(tmp_path / "w")), (2, 2),
                     timeout=240)
+
+
+class _FailingTokenizer:
+    def save_pretrained(self, directory):
+        raise OSError("disk full (simulated)")
+
+
+def _export_failing(path: str, out: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    folder = load_folder(path)
+    model = build_meta_model(folder.config)
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    load_sharded_weights(model, folder)
+    export_hf(model, out, config=folder.config, tokenizer=_FailingTokenizer())
+
+
+def test_failed_export_is_raised_everywhere_and_leaves_nothing(tmp_path):
+    path = llama_folder(tmp_path / "m")
+    with pytest.raises(RuntimeError, match="--export-hf: writing .* failed: OSError: disk full"):
+        run_distributed(_export_failing, 2, str(path), str(tmp_path / "out"), timeout=120)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no out, no temporary folder
