@@ -331,7 +331,7 @@ def test_stream_layout_through_seqpar_attention(n, dtype):
 def test_stream_layout_geometry():
     """Pieces, local offsets and refusals of the stream layout (no ranks needed)."""
     from seqpar.layouts import StreamLayout, stream_layout
-    from seqpar.softmax.stream import pair_segments
+    from seqpar.softmax.stream import pair_segments, stream_schedule
 
     lay = stream_layout([0, 1, 10, 14, 20], 2)
     assert lay.t_local == 10
@@ -344,6 +344,15 @@ def test_stream_layout_geometry():
     (seg,) = pair_segments(crossing, 1, 0, causal=True, window=None)
     assert (seg.q_start, seg.q_len, seg.k_start, seg.k_len, seg.mask) == (0, 7, 3, 7, "none")
     assert pair_segments(crossing, 0, 1, causal=True, window=None) == []
+
+    def moves(layout, rank):  # (payload, owner, sent?, rows) of every message of rank's schedule
+        return [(m.what, (rank + m.owner) % layout.n, m.send, (m.rows.start, m.rows.stop))
+                for step in stream_schedule(layout, rank, causal=True).steps for m in step.moves]
+
+    assert moves(stream_layout([0, 10, 20], 2), 0) == moves(stream_layout([0, 10, 20], 2), 1) == []  # nothing crosses
+    # only the 7 K,V rows rank 1's queries need travel (and their dK,dV back); rank 0 needs nothing of rank 1
+    assert moves(crossing, 1) == [("kv", 0, False, (3, 10)), ("dkv", 0, True, (3, 10))]
+    assert moves(crossing, 0) == [("kv", 0, True, (3, 10)), ("dkv", 0, False, (3, 10))]
     with pytest.raises(ValueError, match="multiple of the 3 ranks"):
         stream_layout([0, 5, 10], 3)
     with pytest.raises(ValueError, match="method='ring'"):
