@@ -36,9 +36,11 @@ def check_options(*, dropout_p, alibi_slopes, window_size, deterministic, return
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: seqpar does not implement ALiBi biases; pass alibi_slopes=None "
                          "(models with ALiBi cannot use this drop-in)")
-    for name, value in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+    for name, value in (("causal", causal), ("return_attn_probs", return_attn_probs)):
         if not isinstance(value, bool):
             raise ValueError(f"{name}: expected True or False, got {value!r}")
+    if deterministic is not None and not isinstance(deterministic, bool):  # transformers passes None
+        raise ValueError(f"deterministic: expected True, False or None, got {deterministic!r}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
                                       or not softmax_scale > 0 or not math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale: expected a positive finite number or None, got {softmax_scale!r}")
