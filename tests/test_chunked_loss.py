@@ -12,6 +12,8 @@ gradients pass two decoder layers of fp32 arithmetic: 1e-5.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -103,6 +105,40 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="backend='liger'"):  # not installed here, or not CUDA
         chunked_cross_entropy(h, w, y, backend="liger")
     assert default_chunk_size(128256) == 523 and default_chunk_size(10**12) == 1
+
+
+def test_liger_dispatch(monkeypatch):
+    """Which backend runs (liger itself needs CUDA: its numbers are not checked here). A stand-in
+    for liger-kernel's loss class records how it is called: (weight, hidden, labels, bias), sum."""
+    import types
+
+    import seqpar.integrations.loss as loss_mod
+
+    calls = []
+
+    class FakeLiger:
+        def __init__(self, **kwargs):
+            calls.append(kwargs)
+
+        def __call__(self, weight, hidden, labels, bias):
+            calls.append((weight.shape, hidden.shape, labels.shape, bias))
+            return types.SimpleNamespace(loss=torch.tensor(1.5, dtype=torch.bfloat16))
+
+    module = types.ModuleType("liger_kernel.transformers.fused_linear_cross_entropy")
+    module.LigerFusedLinearCrossEntropyLoss = FakeLiger
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    h, w, _, y = _inputs(torch.float32, False)
+    chunked_cross_entropy(h, w, y)  # auto on CPU tensors: the torch path
+    assert calls == []
+    with pytest.raises(ValueError, match="backend='liger' runs on CUDA tensors only"):
+        chunked_cross_entropy(h, w, y, backend="liger")
+    monkeypatch.setattr(loss_mod, "_liger", lambda backend, hidden: FakeLiger)  # as on a CUDA tensor
+    out = chunked_cross_entropy(h, w, y, softcap=2.0)
+    assert out.dtype == torch.float32 and out.item() == 1.5
+    assert calls == [{"ignore_index": -100, "reduction": "sum", "softcap": 2.0},
+                     ((V, D), (N, D), (N,), None)]
 
 
 # ---------------------------------------------------------------- through a transformers model

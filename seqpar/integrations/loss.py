@@ -172,6 +172,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     fused = _liger(backend, hidden)
     if fused is not None:
         out = fused(ignore_index=ignore_index, reduction="sum", softcap=softcap)(weight, hidden, labels, bias)
+        out = getattr(out, "loss", out)  # newer releases return a CrossEntropyOutput, older a tensor or tuple
         return (out[0] if isinstance(out, tuple) else out).float()
     need = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     if not need:
