@@ -305,3 +305,86 @@ def _cache_api(path):
 def test_cache_api_matches_transformers(folders):
     for got in run_distributed(_cache_api, 2, folders["llama"], timeout=180):
         assert all(got.values()), got
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 7, 40])
+def test_local_partial_matches_float64(window):
+    """Queries in runs against slots at scattered increasing positions (prefill shards, round-robin
+    decode slots), causal and windowed: equal to a dense float64 softmax over the visible slots."""
+    from seqpar.integrations.hf.cache_ops import local_partial, query_runs
+
+    g = torch.Generator().manual_seed(window or 0)
+    pos = torch.tensor(sorted(set(torch.randint(0, 60, (40,), generator=g).tolist())), dtype=torch.int64)
+    rows = list(range(10, 16)) + list(range(44, 52)) + [58]  # three runs, the positions of the query rows
+    q = torch.randn(2, len(rows), 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, pos.numel(), 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out, lse = local_partial(q, query_runs(rows), k, v, pos, scale=0.3, window=window)
+    qp, kp = torch.tensor(rows)[:, None], pos[None, :]
+    seen = (kp <= qp) & ((kp > qp - window) if window else True)
+    kk, vv = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * 0.3
+    scores = scores.masked_fill(~seen, float("-inf"))
+    ref_lse = torch.logsumexp(scores, -1)
+    probs = torch.where(seen, torch.exp(scores - ref_lse[..., None]), 0.0)
+    ref = torch.einsum("bhqk,bkhd->bqhd", probs, vv)
+    some = seen.any(-1)  # rows that see a slot; the others: out 0, lse -inf
+    assert torch.allclose(out[:, some], ref[:, some], atol=1e-12, rtol=1e-10)
+    assert torch.allclose(lse[..., some], ref_lse[..., some], atol=1e-12)
+    assert torch.all(torch.isneginf(lse[..., ~some])) and torch.all(out[:, ~some] == 0)
+
+
+def _dense(q, rows, k, v, pos, window):
+    """float64 softmax of the query rows at positions ``rows`` over the slots at ``pos`` (causal, window)."""
+    qp, kp = torch.tensor(rows)[:, None], pos[None, :]
+    seen = (kp <= qp) & ((kp > qp - window) if window else True)
+    group = q.shape[2] // k.shape[2]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2)) * 0.3
+    scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    return torch.einsum("bhqk,bkhd->bqhd", torch.exp(scores - lse[..., None]), v.repeat_interleave(group, 2)), lse
+
+
+def _spread_float64(window):
+    """Every rank holds a scattered share of 50 cached slots plus its zigzag share of 12 new tokens;
+    query passing, K,V passing and both decode combines against one dense float64 softmax."""
+    from seqpar.comm import group_info
+    from seqpar.integrations.hf.cache_ops import combine_replicated, local_partial, pass_kv, pass_q, query_runs
+    from seqpar.layouts import Zigzag
+
+    info = group_info(None)
+    n, rank = info.size, info.rank
+    g = torch.Generator().manual_seed(5)  # the same global tensors on every rank
+    total, past = 62, 50
+    k, v = (torch.randn(1, total, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(1, total + 1, 4, 8, generator=g, dtype=torch.float64)
+    owner = torch.randint(0, n, (past,), generator=g)  # cached slots scattered over the ranks
+    layout = Zigzag()
+    t_pad = -(-(total - past) // (2 * n)) * 2 * n
+    members = [[past + i for i in layout.positions(t_pad, n, m)] for m in range(n)]
+    mine = sorted([p for p in range(past) if owner[p] == rank] + [p for p in members[rank] if p < total])
+    pos = torch.tensor(mine, dtype=torch.int64)
+    qrows = [min(p, total) for p in members[rank]]  # padding rows: any query, never checked
+    ql = q[:, qrows]
+    ref, ref_lse = _dense(ql, members[rank], k, v, torch.arange(total), window)
+    real = [i for i, p in enumerate(members[rank]) if p < total]
+    errors = {}
+    for name, fn, runs in (("pass_q", pass_q, [query_runs(m) for m in members]),
+                           ("pass_kv", pass_kv, query_runs(members[rank]))):
+        out, lse = fn(info, ql, runs, k[:, pos], v[:, pos], pos, scale=0.3, window=window)
+        errors[name] = max((out[:, real] - ref[:, real]).abs().max().item(),
+                           (lse[..., real] - ref_lse[..., real]).abs().max().item())
+    dq = q[:, total:]  # a decode query at position `total` (every rank the same) over the cached slots
+    ref, ref_lse = _dense(dq, [total], k, v, torch.arange(total), window)
+    for mode in ("allgather", "tree"):
+        out, lse = combine_replicated(info, *local_partial(dq, [(0, 1, total)], k[:, pos], v[:, pos], pos, scale=0.3,
+                                                           window=window), mode)
+        errors[mode] = max((out - ref).abs().max().item(), (lse - ref_lse).abs().max().item())
+    return errors
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_spread_attention_matches_float64(n):
+    # float64 throughout: only summation order differs from the dense reference (~1e-15)
+    for window in (None, 4):
+        for errors in run_distributed(_spread_float64, n, window, timeout=120):
+            assert max(errors.values()) < 1e-12, (window, errors)

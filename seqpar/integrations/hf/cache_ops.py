@@ -45,42 +45,51 @@ def query_runs(positions: list[int]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def _key_runs(pos: torch.Tensor, idx: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Runs of consecutive positions among the slots ``idx`` (host int64): ``(slot, length, position)``."""
-    if idx.numel() == 0:
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulator dtype of inputs of ``dtype``: float32 (float64 for float64 reference runs)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _key_runs(pos: torch.Tensor, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Runs of consecutive positions among the slots ``lo .. hi - 1`` (host int64, increasing):
+    ``(slot, length, position)``."""
+    if hi <= lo:
         return []
-    p = pos[idx]
-    breaks = torch.nonzero((p[1:] - p[:-1] != 1) | (idx[1:] - idx[:-1] != 1)).flatten() + 1
-    starts = [0] + breaks.tolist()
-    ends = breaks.tolist() + [idx.numel()]
-    return [(int(idx[s]), e - s, int(p[s])) for s, e in zip(starts, ends)]
+    p = pos[lo:hi]
+    breaks = (torch.nonzero(p[1:] - p[:-1] != 1).flatten() + 1).tolist()
+    starts, ends = [0] + breaks, breaks + [hi - lo]
+    return [(lo + s, e - s, int(p[s])) for s, e in zip(starts, ends)]
+
+
+def _slots(pos: torch.Tensor, position: int) -> int:
+    """Index of the first slot at ``position`` or above (positions increase along the slots)."""
+    return int(torch.searchsorted(pos, torch.tensor([position], dtype=pos.dtype)))
 
 
 def local_partial(q, runs, k, v, pos, *, scale: float, window: int | None, backend=None,
                   acc=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the query rows ``runs`` (``(row, length, position)``) of ``q`` to the slots
-    ``k``, ``v`` at host positions ``pos``, causal in global order (query p sees slot p' <= p, and
-    p' > p - window with a window); merged into ``acc`` (fp32 ``(out, lse)``, new when None)."""
-    out, lse = acc if acc is not None else new_accumulator(q.shape, q.device)
+    ``k``, ``v`` at host positions ``pos`` (increasing), causal in global order (query p sees slot
+    p' <= p, and p' > p - window with a window); merged into ``acc`` (fp32 ``(out, lse)``, new when
+    None). Slots every row of a run sees are one contiguous range (one ``"none"`` block, no copy);
+    the partly seen ones, above the run's first position and below its last row's window, go by
+    runs of consecutive positions with their :class:`~seqpar.kernels.Band`."""
+    out, lse = acc if acc is not None else new_accumulator(q.shape, q.device, dtype=_acc(q.dtype))
     if pos.numel() == 0:
         return out, lse
     for row, length, first in runs:
         last = first + length - 1
         qr, ao, al = q[:, row:row + length], out[:, row:row + length], lse[:, :, row:row + length]
-        seen_all = pos <= first
-        seen_any = pos <= last
-        if window is not None:
-            seen_all &= pos >= last - window + 1
-            seen_any &= pos >= first - window + 1
-        if bool(seen_all.all()):
-            block_forward_into(ao, al, qr, k, v, scale=scale, mask="none", backend=backend)
-            continue
-        full = torch.nonzero(seen_all).flatten()
-        if full.numel():
-            sel = full.to(k.device)
-            block_forward_into(ao, al, qr, k.index_select(1, sel), v.index_select(1, sel), scale=scale,
-                               mask="none", backend=backend)
-        for slot, n, p0 in _key_runs(pos, torch.nonzero(seen_any & ~seen_all).flatten()):
+        any_lo = 0 if window is None else _slots(pos, first - window + 1)  # seen by the first row's window
+        all_lo = 0 if window is None else _slots(pos, last - window + 1)  # seen by every row's window
+        all_hi, any_hi = _slots(pos, first + 1), _slots(pos, last + 1)
+        if all_hi > all_lo:
+            block_forward_into(ao, al, qr, k[:, all_lo:all_hi], v[:, all_lo:all_hi], scale=scale, mask="none",
+                               backend=backend)
+            partly = _key_runs(pos, any_lo, all_lo) + _key_runs(pos, all_hi, any_hi)
+        else:  # a window shorter than the run: no slot is seen by every row
+            partly = _key_runs(pos, any_lo, any_hi)
+        for slot, n, p0 in partly:
             # query i (position first + i) sees key j (position p0 + j) iff first - p0 - (W-1) <= j - i <= first - p0
             lo = None if window is None else first - p0 - (window - 1)
             block_forward_into(ao, al, qr, k[:, slot:slot + n], v[:, slot:slot + n], scale=scale,
@@ -89,8 +98,8 @@ def local_partial(q, runs, k, v, pos, *, scale: float, window: int | None, backe
 
 
 def _pack(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``[B, T, H, D + 1]`` fp32: out with lse as its last channel (one message for both)."""
-    return torch.cat([out.float(), lse.float().transpose(1, 2).unsqueeze(-1)], dim=-1)
+    """``[B, T, H, D + 1]`` in lse's dtype (fp32): out with lse as its last channel (one message)."""
+    return torch.cat([out.to(lse.dtype), lse.transpose(1, 2).unsqueeze(-1)], dim=-1)
 
 
 def _unpack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +108,7 @@ def _unpack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _merge_all(parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``[N, B, T, H, D + 1]`` packed partials in member order (the same order on every rank)."""
-    out, lse = new_accumulator(parts.shape[1:-1] + (parts.shape[-1] - 1,), parts.device)
+    out, lse = new_accumulator(parts.shape[1:-1] + (parts.shape[-1] - 1,), parts.device, dtype=parts.dtype)
     for part in parts:
         merge_(out, lse, *_unpack(part))
     return out, lse
@@ -109,14 +118,14 @@ def combine_replicated(info, out, lse, mode: str, *, stats=None) -> tuple[torch.
     """Exact combine of every rank's partial ``(out, lse)`` of the same query rows (fp32 results,
     the same bytes on every rank). ``mode``: ``"allgather"`` or ``"tree"`` (module docstring)."""
     if info.single:
-        return out.float(), lse.float()
+        return out.to(lse.dtype), lse
     if mode == "allgather":
         return _merge_all(all_gather_stack(info, _pack(out, lse), stats=stats, name="decode_all_gather"))
-    top = lse.float().clone()
+    top = lse.clone()
     all_reduce_(info, top, op=torch.distributed.ReduceOp.MAX, stats=stats, name="decode_tree_max")
     unseen = torch.isneginf(top)  # no rank has a key for the row
-    w = torch.where(unseen | torch.isneginf(lse), 0.0, torch.exp(lse.float() - torch.where(unseen, 0.0, top)))
-    sums = _pack(out.float() * w.transpose(1, 2).unsqueeze(-1), w)
+    w = torch.where(unseen | torch.isneginf(lse), 0.0, torch.exp(lse - torch.where(unseen, 0.0, top)))
+    sums = _pack(out.to(lse.dtype) * w.transpose(1, 2).unsqueeze(-1), w)
     all_reduce_(info, sums, stats=stats, name="decode_tree_sum")
     num, den = _unpack(sums)
     safe = torch.where(den > 0, den, 1.0)
@@ -139,7 +148,7 @@ def pass_kv(info, q, runs, k, v, pos, *, scale, window, backend=None, stats=None
     """Prefill over a cached prefix by passing K,V: this rank's slots (``k``, ``v``, host ``pos``)
     travel once around the ring while each rank attends its query ``runs`` to every block in turn.
     Block sizes differ per rank: one all-gather of the sizes first. Returns fp32 (out, lse)."""
-    acc = new_accumulator(q.shape, q.device)
+    acc = new_accumulator(q.shape, q.device, dtype=_acc(q.dtype))
     if info.single:
         return local_partial(q, runs, k, v, pos, scale=scale, window=window, backend=backend, acc=acc)
     size = torch.tensor([pos.numel()], dtype=torch.int64, device=k.device)
