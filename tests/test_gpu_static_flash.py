@@ -138,7 +138,8 @@ def test_varlen_flash_path(release, dt, heads):
 def test_packed_calls_go_to_the_backend_with_caps_varlen(release, backward, monkeypatch):
     """Packed calls are dispatched by capability, not by name: on a simulated sm_90 the first-ranked
     backend serves them with its varlen kernel: flash-attn's where it is installed, seqpar's Triton
-    kernel (caps.varlen) where it is not; a forced non-varlen backend leaves them to block calls."""
+    kernel (caps.varlen) where it is not; a forced backend without a varlen kernel for the case leaves
+    them to block calls."""
     pytest.importorskip("triton")
     from seqpar.kernels import triton_target
     from seqpar.kernels.varlen_packed import packed_backend
@@ -150,7 +151,10 @@ def test_packed_calls_go_to_the_backend_with_caps_varlen(release, backward, monk
         q, k = cuda_tensor(1, 64, 4, 64, dtype=torch.bfloat16), cuda_tensor(1, 64, 2, 64, dtype=torch.bfloat16)
         assert packed_backend(q, k, k, None, backward, True).name == "flash_attn"
         assert packed_backend(q, k, k, "triton", backward, True).name == "triton"
-        assert packed_backend(q, k, k, "torch_cuda", backward, True) is None
+        assert packed_backend(q, k, k, "cudnn", backward, True) is None  # no varlen kernel: block calls
+        assert packed_backend(q, k, k, "torch_cuda", backward, True).name == "torch_cuda"  # flash varlen
+        qf, kf = q.float(), k.float()  # torch_cuda's fp32 kernel has no varlen mode: block calls
+        assert packed_backend(qf, kf, kf, "torch_cuda", backward, True) is None
     no_flash = {"flash_attn": None, "flash_attn.flash_attn_interface": None}  # import raises ImportError
     with fake_cuda((9, 0)), mock.patch.dict(sys.modules, no_flash):
         q, k = cuda_tensor(1, 64, 4, 64, dtype=torch.bfloat16), cuda_tensor(1, 64, 2, 64, dtype=torch.bfloat16)

@@ -17,15 +17,16 @@ import torch
 from gpu_static import sdpa_contracts
 from gpu_static.fake_cuda import cuda_tensor, fake_cuda
 
-from seqpar.kernels import BACKEND_NAMES, block_backward, block_forward
+from seqpar.kernels import BACKEND_NAMES, Band, block_backward, block_forward, plan_block
+from seqpar.kernels.flash import window_size
 from seqpar.kernels.varlen import VarlenSegments, varlen_backward, varlen_forward
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}
 SHAPES = {"sq": (100, 100), "tq>tk": (100, 70), "tq<tk": (70, 100)}  # 100: not a multiple of 32
 CAPS = {"sm75": (7, 5), "sm80": (8, 0), "sm90": (9, 0)}
-FORWARD_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"}
-BACKWARD_OPS = {f"{op}_backward" for op in FORWARD_OPS}
+FORWARD_OPS = {"_flash_attention_forward", "_scaled_dot_product_efficient_attention"}
+BACKWARD_OPS = {"_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward"}
 
 
 def _matrix():
@@ -79,7 +80,7 @@ def test_build_without_flash_kernel(dt, heads, mask):
     (non-causal GQA folds query heads into rows: the folded `out` must keep that stride)."""
     contracts = _run_block((8, 0), dt, heads, mask, "sq", 64, flash_sdp=False)
     _assert_clean(contracts)
-    assert "_scaled_dot_product_flash_attention" not in contracts.calls
+    assert "_flash_attention_forward" not in contracts.calls
 
 
 @pytest.mark.parametrize("cap", [(7, 5), (9, 0)], ids=["sm75", "sm90"])
@@ -98,7 +99,7 @@ def test_head_dim_224_backward(cap, heads):
     backward serves those; the flash forward is fine everywhere."""
     contracts = _run_block(cap, torch.bfloat16, heads, "causal", "sq", 224, batch=1)
     _assert_clean(contracts)
-    uses_flash_bwd = "_scaled_dot_product_flash_attention_backward" in contracts.calls
+    uses_flash_bwd = "_flash_attention_backward" in contracts.calls
     assert uses_flash_bwd == (cap in ((8, 0), (9, 0)))
 
 
@@ -123,8 +124,9 @@ def test_unservable_case_lists_every_backend():
 @pytest.mark.parametrize("dt", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("heads", HEADS)
 def test_varlen_entry_points(cap, dt, heads):
-    """Packed streams through per-segment block calls (documents of 1, 37, 64 and 90 rows,
-    causal, plus a non-causal segment against other keys), forward then backward."""
+    """Packed streams (documents of 1, 37, 64 and 90 rows, causal, plus a non-causal segment against
+    other keys), forward then backward: torch's flash varlen kernel where it runs (fp16/bf16 on
+    sm_80+), else per-segment block calls."""
     hq, hkv = HEADS[heads]
     segs = VarlenSegments.build([(0, 1, 0, 1, "causal"), (1, 37, 1, 37, "causal"), (38, 64, 38, 64, "causal"),
                                  (102, 90, 102, 90, "causal"), (38, 64, 0, 38, "none")], tq=192, tk=192)
@@ -137,7 +139,11 @@ def test_varlen_entry_points(cap, dt, heads):
         for g, x in zip(grads, (q, k, v)):
             assert (g.shape, g.dtype, g.device.type) == (x.shape, dt, "cuda")
     assert contracts.violations == []
-    assert sum(c in FORWARD_OPS for c in contracts.calls) == len(segs.batches) >= 3
+    forwards = sum(c in FORWARD_OPS for c in contracts.calls)
+    if dt != torch.float32 and cap >= (8, 0):  # torch's flash kernels: one varlen call per packed call
+        assert forwards == len(segs.packed_calls()) == 2  # the causal documents, the non-causal segment
+    else:  # the memory-efficient kernel: per-segment block calls, stacked by shape
+        assert forwards == len(segs.batches) >= 3
 
 
 # ----------------------------------------------------------------------------- the checks themselves
@@ -206,3 +212,101 @@ def test_shim_indexing_matches_real_tensors():
         assert fake.to(torch.float16).dtype == torch.float16 and fake.to("cuda") is fake
         with pytest.raises(NotImplementedError):
             fake[torch.tensor([0, 1])]
+
+
+# ----------------------------------------------------------------------------- torch's flash ops called directly
+
+
+class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records ``(op, k's shape, window_size_left, window_size_right, is_causal)`` of the flash calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in ("_flash_attention_forward", "_flash_attention_backward"):
+            k = args[2]
+            causal = args[8] if name == "_flash_attention_forward" else args[11]
+            self.calls.append((name, tuple(k.shape), kwargs.get("window_size_left"), kwargs.get("window_size_right"),
+                               causal))
+        return func(*args, **kwargs)
+
+
+def _direct(tq, tk, hq, hkv, d, mask, dt=torch.bfloat16, cap=(9, 0)):
+    """Forward and backward of one block through dispatch with torch_cuda forced; the flash calls."""
+    with fake_cuda(cap) as contracts, _Shapes() as shapes:
+        q = cuda_tensor(2, tq, hq, d, dtype=dt)
+        k, v = cuda_tensor(2, tk, hkv, d, dtype=dt), cuda_tensor(2, tk, hkv, d, dtype=dt)
+        out, lse = block_forward(q, k, v, scale=d**-0.5, mask=mask, backend="torch_cuda")
+        assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, dt, (2, hq, tq), torch.float32)
+        acc = torch.empty(q.shape, dtype=torch.float32, device="cuda")
+        grads = block_backward(acc, q, k, v, acc, lse, scale=d**-0.5, mask=mask, backend="torch_cuda")
+        for g, x in zip(grads, (q, k, v)):
+            assert (g.shape, g.dtype, g.device.type) == (x.shape, dt, "cuda")
+    assert contracts.violations == []
+    return shapes.calls
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq, hkv", [(8, 2), (8, 8)], ids=["gqa8/2", "mha8/8"])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_strict"])
+@pytest.mark.parametrize("tq, tk", [(96, 96), (96, 48), (48, 96)], ids=["square", "half_tall", "half_wide"])
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_flash_direct_gqa_unexpanded(dt, tq, tk, mask, hq, hkv, d):
+    """GQA K,V reach the kernel with Hkv heads (no expansion), one call each way; a top-left causal
+    block keeps its alignment through the bottom-right window bound (right = Tq - Tk)."""
+    calls = _direct(tq, tk, hq, hkv, d, mask, dt)
+    assert all(c[1] == (2, c[1][1], hkv, d) for c in calls)
+    plan = plan_block(tq, tk, mask)
+    if plan.causal and plan.rows - plan.keys >= plan.keys:  # the half-tall causal block: split, next test
+        assert len(calls) == 4
+        return
+    assert [c[0] for c in calls] == ["_flash_attention_forward", "_flash_attention_backward"]
+    want = (-1, plan.rows - plan.keys) if plan.causal else (-1, -1)
+    assert all(c[2:4] == want for c in calls), calls
+
+
+def test_flash_direct_tall_causal_splits():
+    """Top-left causal with Tq - Tk >= Tk: right = Tq - Tk >= Tk would be clamped to unbounded, so
+    the square causal top and the unmasked rows below it run as two calls on disjoint rows."""
+    calls = _direct(100, 40, 8, 2, 64, "causal")
+    assert [c[2:] for c in calls] == [(-1, 0, True), (-1, -1, False)] * 2
+
+
+@pytest.mark.parametrize("tq, tk, band, native", [
+    (64, 64, Band(-16, 0), True),  # sliding window, square: (left, right) = (16, 0)
+    (64, 96, Band(-8, 40), True),  # wide block, both edges
+    (120, 40, Band(-30, 5), False),  # right = 5 + 80 >= Tk: clamped, so plain pieces
+])
+def test_flash_direct_windows(tq, tk, band, native):
+    calls = _direct(tq, tk, 8, 2, 64, band)
+    if native:
+        assert len(calls) == 2 and calls[0][2:4] == window_size(tq, tk, band), calls
+    else:
+        assert all(c[3] is not None and c[3] < 40 for c in calls), calls  # pieces: each bound expressible
+
+
+def test_flash_direct_not_below_sm80_or_fp32():
+    """fp32 and sm_75 stay on the memory-efficient kernel."""
+    for cap, dt in (((9, 0), torch.float32), ((7, 5), torch.float16)):
+        assert _direct(64, 64, 4, 2, 64, "causal", dt=dt, cap=cap) == []
+
+
+def test_varlen_clamped_window_runs_as_block_calls():
+    """A packed call whose right window bound the kernel would clamp to unbounded (a tall document
+    with a band) is refused by the varlen kernel: its segments run as block calls (pieces)."""
+    from seqpar.kernels.varlen_packed import packed_backend
+
+    segs = VarlenSegments.build([(0, 100, 0, 40, Band(-50, 0)), (100, 16, 40, 16, "causal")], tq=116, tk=56)
+    (call,) = [c for c in segs.packed_calls() if not c.causal]
+    assert (call.max_q, call.max_k, call.window) == (90, 40, (0, 50))  # reduced 90 x 40: right 50 >= 40
+    with fake_cuda((9, 0)) as contracts:
+        q = cuda_tensor(1, 116, 4, 64, dtype=torch.bfloat16)
+        k = cuda_tensor(1, 56, 2, 64, dtype=torch.bfloat16)
+        assert packed_backend(q, k, k, "torch_cuda", False, True, segs.packed_calls()) is None
+        assert packed_backend(q, k, k, "torch_cuda", False, True, segs.packed_calls()[1:]).name == "torch_cuda"
+        out, lse = varlen_forward(q, k, k, segs, scale=0.125, backend="torch_cuda")
+    assert contracts.violations == [] and out.shape == q.shape

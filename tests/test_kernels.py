@@ -25,6 +25,7 @@ import torch
 from seqpar.kernels import (
     BACKEND_NAMES,
     MASKS,
+    Band,
     BlockPlan,
     available_backends,
     block_backward,
@@ -62,6 +63,13 @@ def visible(tq: int, tk: int, mask: str, device="cpu") -> torch.Tensor:
     """[tq, tk] bool: may query i see key j (top-left aligned)."""
     i = torch.arange(tq, device=device).unsqueeze(1)
     j = torch.arange(tk, device=device).unsqueeze(0)
+    if isinstance(mask, Band):  # lo <= j - i <= hi
+        seen = torch.ones(tq, tk, dtype=torch.bool, device=device)
+        if mask.lo is not None:
+            seen &= j - i >= mask.lo
+        if mask.hi is not None:
+            seen &= j - i <= mask.hi
+        return seen
     if mask == "none":
         return torch.ones(tq, tk, dtype=torch.bool, device=device)
     if mask == "causal":
@@ -580,14 +588,63 @@ def test_flash_attn(mask, hq, hkv, tq, tk, dtype):
 
 
 @pytest.mark.gpu
-def test_cuda_dispatch_per_pass():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("tq,tk", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("hq,hkv", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("mask", MASKS)
+def test_cudnn(mask, hq, hkv, tq, tk, dtype):
+    """torch's cuDNN attention forced: forward, and backward from the merged out / lse, against float64."""
+    q = torch.empty(1, tq, hq, 64, dtype=dtype, device="cuda")
+    k = torch.empty(1, tk, hkv, 64, dtype=dtype, device="cuda")
+    from seqpar.kernels.cudnn import CudnnBackend
+
+    why = CudnnBackend().refusal(q, k, k, mask, True, True)
+    if why:
+        pytest.skip(f"cudnn refuses here: {why}")
+    _gpu_case("cudnn", mask, hq, hkv, tq, tk, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("tq,tk", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("hq,hkv", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("mask", MASKS)
+def test_flash4(mask, hq, hkv, tq, tk, dtype):
+    pytest.importorskip("flash_attn.cute")
+    q = torch.empty(1, tq, hq, 64, dtype=dtype, device="cuda")
+    k = torch.empty(1, tk, hkv, 64, dtype=dtype, device="cuda")
+    from seqpar.kernels.flash4 import Flash4Backend
+
+    why = Flash4Backend().refusal(q, k, k, mask, True, True)
+    if why:
+        pytest.skip(f"flash4 refuses here: {why}")
+    _gpu_case("flash4", mask, hq, hkv, tq, tk, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tq,tk,mask", [(40, 40, Band(-9, 0)), (23, 61, Band(-5, 30)), (61, 20, Band(-12, 3)),
+                                        (64, 20, "causal"), (41, 20, "causal")],
+                         ids=["window", "wide_band", "tall_band_pieces", "tall_causal_split", "tall_causal"])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 8)], ids=["gqa8x2", "mha8"])
+def test_torch_cuda_direct_flash(tq, tk, mask, hq, hkv):
+    """torch's flash ops called directly: bands through their bottom-right bounds (or pieces where the
+    kernel's clamping cannot express them), a tall causal block split in two, GQA unexpanded."""
+    _gpu_case("torch_cuda", mask, hq, hkv, tq, tk, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_dispatch_per_pass(monkeypatch):
     """A bf16 block: forward on flash_attn, else the Triton kernel (its merge is fused), else torch's
     op; backward on flash_attn, else torch's flash kernel (TorchCUDABackend.rank: measured faster
     than the Triton backward on an H100); float64 on the reference."""
+    from seqpar.kernels import dispatch
+    from seqpar.kernels.dispatch_table import DispatchTable
+
+    monkeypatch.setattr(dispatch, "TABLE", DispatchTable.from_json({}))  # the ranked order, unmeasured
     q = torch.zeros(1, 8, 4, 64, dtype=torch.bfloat16, device="cuda")
     fused = "triton" if "triton" in available_backends() else "torch_cuda"
-    assert select_backend(q, q, q, mask="causal").name in ("flash_attn", fused)
-    assert select_backend(q, q, q, mask="causal", for_backward=True).name in ("flash_attn", "torch_cuda")
+    assert select_backend(q, q, q, mask="causal").name in ("flash4", "flash_attn", fused)
+    assert select_backend(q, q, q, mask="causal", for_backward=True).name in ("flash4", "flash_attn", "torch_cuda")
     assert select_backend(q.double(), q.double(), q.double(), mask="causal").name == "reference"
 
 

@@ -201,7 +201,7 @@ class Backend:
             names = sorted(str(d).replace("torch.", "") for d in c.dtypes)
             return f"dtype {str(q.dtype).replace('torch.', '')} not in {names}"
         plan = plan_block(q.shape[1], k.shape[1], mask)
-        if plan.window is not None and not self.window_native(plan) and not {"none", "causal", "causal_strict"} <= c.masks:
+        if plan.window is not None and not self.window_native(q, plan, for_backward) and not {"none", "causal", "causal_strict"} <= c.masks:
             return f"a window band needs the masks none, causal and causal_strict, not only {sorted(c.masks)}"
         named = mask if not isinstance(mask, Band) else "causal" if plan.causal else "none"
         if plan.window is None and named not in c.masks:
@@ -222,11 +222,18 @@ class Backend:
             )
         return self.extra_refusal(q, k, v, plan, for_backward)
 
-    def window_native(self, plan: BlockPlan) -> bool:
-        """Whether this backend runs the reduced window band of ``plan`` in one call (``forward`` /
-        ``backward`` with ``window=``); otherwise dispatch cuts it into plain pieces. ``caps.window``
-        unless a backend can express only some bands (e.g. clamped window bounds)."""
+    def window_native(self, q: torch.Tensor, plan: BlockPlan, for_backward: bool) -> bool:
+        """Whether this backend runs the reduced window band of ``plan`` of a block ``q`` in one call
+        (``forward`` / ``backward`` with ``window=``; ``for_backward``: which of the two); otherwise
+        dispatch cuts it into plain pieces. ``caps.window``, unless a backend can express only some
+        bands (kernels with clamped window bounds, a kernel that serves windows for some dtypes)."""
         return self.caps.window
+
+    def varlen_refusal(self, q: torch.Tensor, calls, for_backward: bool) -> str | None:
+        """Why this backend's varlen kernel cannot serve the packed ``calls``
+        (:class:`~seqpar.kernels.varlen_packed.PackedCall`) of streams like ``q`` (then per-segment
+        block calls run), or ``None``. Backends without ``caps.varlen`` always give a reason."""
+        return None if self.caps.varlen else "no varlen kernel"
 
     def launch_failure(self, exc: BaseException) -> str | None:
         """Why ``exc``, raised by this backend's kernel, means it cannot compile or launch this

@@ -38,6 +38,7 @@ from .cudnn import CudnnBackend
 from .dispatch_table import DispatchTable, TableKey
 from .fallback import FAILED_KERNELS, Attempt, KernelCase
 from .flash import FlashAttnBackend
+from .flash4 import Flash4Backend
 from .masks import Band, band_pieces
 from .merge import merge_, new_accumulator
 from .reference import ReferenceBackend
@@ -47,7 +48,7 @@ from .triton_backend import TritonBackend
 #: Every backend, highest priority first. Immutable: dispatch has no switches.
 BACKENDS: tuple[Backend, ...] = tuple(
     sorted(
-        (FlashAttnBackend(), TritonBackend(), TorchCUDABackend(), CudnnBackend(), TorchCPUBackend(),
+        (Flash4Backend(), FlashAttnBackend(), TritonBackend(), TorchCUDABackend(), CudnnBackend(), TorchCPUBackend(),
          ReferenceBackend()),
         key=lambda b: -b.caps.priority,
     )
@@ -160,11 +161,11 @@ def _run(q, k, v, plan: BlockPlan, *, mask, backend, for_backward, has_out, call
     (:meth:`~seqpar.kernels.base.Backend.window_native`)."""
     if backend is not None:
         chosen = select_backend(q, k, v, mask=mask, backend=backend, for_backward=for_backward, has_out=has_out)
-        return pieces() if plan.window is not None and not chosen.window_native(plan) else call(chosen)
+        return pieces() if plan.window is not None and not chosen.window_native(q, plan, for_backward) else call(chosen)
     reasons: list[str] = []
     case = KernelCase.of(q, k, _kind(plan), for_backward)
     for chosen in _candidates(q, k, v, mask, for_backward, has_out, reasons):
-        if plan.window is not None and not chosen.window_native(plan):
+        if plan.window is not None and not chosen.window_native(q, plan, for_backward):
             return pieces()
         with Attempt(chosen, case) as attempt:
             return call(chosen)

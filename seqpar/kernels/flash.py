@@ -25,6 +25,10 @@ Windows are native: flash-attn's ``window_size=(left, right)`` lets query ``i`` 
 ``i + Tk - Tq - left .. i + Tk - Tq + right`` (bottom-right aligned, -1 = unbounded), so a reduced
 band ``(lo, hi)`` is ``left = Tk - Tq - lo``, ``right = hi - (Tk - Tq)``; both are >= 0 on a
 reduced block (its first key is seen by row 0 and its last row sees a key), whatever its shape.
+flash-attn's ``mha_fwd`` / ``mha_varlen_fwd`` turn a bound ``>= Tk`` (``>= max_seqlen_k``) into -1:
+harmless on the left, but on the right it would show keys the band hides (a tall block, ``right =
+hi + Tq - Tk``), so such bands run as plain pieces and such packed calls as block calls
+(:func:`flash_pieces`, :func:`clamp_refusal`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import re
 import torch
 
 from .base import HALF_DTYPES, Backend, Capabilities
+from .masks import Band
 
 MIN_VERSION = (2, 7)  # inclusive, as the `flash` extra: flash-attn>=2.7,<3
 MAX_VERSION = (3, 0)  # exclusive
@@ -82,6 +87,40 @@ def window_size(tq: int, tk: int, window) -> tuple[int, int]:
     return (-1 if window.lo is None else shift - window.lo), (-1 if window.hi is None else window.hi - shift)
 
 
+def flash_pieces(tq: int, tk: int, causal: bool, window: Band | None) -> list[tuple[slice, tuple[int, int]]] | None:
+    """The kernel calls of a reduced ``[tq, tk]`` block: ``(query rows, (left, right))`` on disjoint
+    rows (keys: all ``tk``), or ``None`` when the kernel's clamping cannot express the band."""
+    if window is not None:
+        left, right = window_size(tq, tk, window)
+        return None if right >= tk else [(slice(0, tq), (left, right))]
+    if not causal:
+        return [(slice(0, tq), (-1, -1))]
+    if tq - tk < tk:  # top-left causal = right bound tq - tk, below the clamp
+        return [(slice(0, tq), (-1, tq - tk))]
+    return [(slice(0, tk), (-1, 0)), (slice(tk, tq), (-1, -1))]  # rows >= tk see every key
+
+
+def clamp_refusal(window: tuple[int, int], max_q: int, max_k: int) -> str | None:
+    """Why flash-attn's clamping (a bound ``>= max_seqlen_k`` becomes ``-1``) would change a packed
+    call with bottom-right ``window = (left, right)`` and documents of up to ``max_q`` rows, or
+    ``None``. Only a right bound can hurt: unbounded on the right, a document's first rows would see
+    keys past ``right`` (they are harmless once ``right >= max_q - 1``)."""
+    right = window[1]
+    if max_k <= right < max_q - 1:
+        return (f"window_size_right={right} >= max_seqlen_k={max_k} is clamped to unbounded by the kernel, "
+                f"which would show keys to the first rows of documents of up to {max_q} rows")
+    return None
+
+
+def varlen_refusal(calls) -> str | None:
+    """The first :func:`clamp_refusal` of packed ``calls``, or ``None``."""
+    for call in calls:
+        why = None if call.causal else clamp_refusal(call.window, call.max_q, call.max_k)
+        if why:
+            return why
+    return None
+
+
 class FlashAttnBackend(Backend):
     """flash-attn 2 kernels on CUDA, fp16/bf16, D % 8 == 0, D <= 256."""
 
@@ -107,6 +146,14 @@ class FlashAttnBackend(Backend):
         import flash_attn
 
         return arch_refusal(flash_attn.__version__, torch.cuda.get_device_capability(device))
+
+    def window_native(self, q, plan, for_backward: bool) -> bool:
+        """A band whose right bound flash-attn would clamp to unbounded (``>= Tk``) runs as plain
+        pieces (:func:`flash_pieces`)."""
+        return flash_pieces(plan.rows, plan.keys, False, plan.window) is not None
+
+    def varlen_refusal(self, q, calls, for_backward: bool) -> str | None:
+        return varlen_refusal(calls)
 
     def forward(self, q, k, v, *, scale, causal, window=None):
         fa, _ = _load()

@@ -17,19 +17,20 @@ They run on the reduced block of :func:`seqpar.kernels.base.plan_block`
   machine (1 thread, fp32, T = 2048, W = 1024, H = 8, D = 64, forward +
   backward): pieces 641 ms, the op with one additive float mask 1101 ms (it
   computes every masked score), plain causal 659 ms.
-- ``torch_cuda``: ``aten._scaled_dot_product_flash_attention`` (fp16/bf16,
-  sm_80..sm_121, D % 8 == 0, D <= 256; causal is bottom-right in the vendored
-  flash-attn kernel, so causal only on a square reduced block) else
-  ``aten._scaled_dot_product_efficient_attention`` (fp32 too; its causal is
-  top-left). Non-causal GQA folds the ``g`` query heads of a group into the
-  query length (``q -> [B, Hkv, g*Tq, D]``): no K/V expansion. Causal GQA
-  cannot be folded (the mask depends on the row inside the group), so this
-  backend alone repeats K/V heads *locally, inside the kernel call* and sums
-  dK/dV over the group in fp32; nothing expanded ever leaves this function.
+- ``torch_cuda``: torch's FlashAttention-2 kernels called directly, ``aten._flash_attention_forward``
+  / ``_backward`` (:mod:`.torch_flash`: fp16/bf16, sm_80..sm_121, D % 8 == 0, D <= 256; GQA native,
+  nothing expanded; causal of any reduced shape and window bands natively, bottom-right aligned
+  bounds translated from seqpar's top-left ones, except bands the kernel's clamping cannot express,
+  which dispatch cuts into pieces), else ``aten._scaled_dot_product_efficient_attention`` (fp32
+  too, builds without the flash kernel; its causal is top-left). On the memory-efficient kernel,
+  non-causal GQA folds the ``g`` query heads of a group into the query length (``q -> [B, Hkv,
+  g*Tq, D]``): no K/V expansion. Causal GQA cannot be folded (the mask depends on the row inside
+  the group), so there alone K/V heads are repeated *locally, inside the kernel call* and dK/dV
+  summed over the group in fp32; nothing expanded ever leaves this function.
 
   Layout contracts of the CUDA kernels that torch's fake kernels do not check
   (checked on fake CUDA tensors by ``tests/test_gpu_static_torch_cuda.py``):
-  the ops see ``[B, H, M, D]`` and hand the kernels the ``[B, M, H, D]`` view,
+  the efficient op sees ``[B, H, M, D]`` and hands the kernels the ``[B, M, H, D]`` view,
   whose head dim must be contiguous with 16-byte aligned strides and start;
   the memory-efficient backward reads ``out`` with an implied row stride of
   ``H * D`` (``kernel_backward.h``, ``Params::o_strideM``: it computes
@@ -37,14 +38,13 @@ They run on the reduced block of :func:`seqpar.kernels.base.plan_block`
   with exactly that row stride; its lse is padded to a multiple of 32 rows
   (read in blocks of 32). The flash backward reads lse as contiguous
   ``[B, H, M]`` and raises for 192 < D <= 224 on sm_86/89/120/121.
-  No ``window`` capability either: windows run as plain pieces through the
-  same two ops, under the same contracts (no additive mask to align).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import torch_flash
 from .base import FLOAT_DTYPES, HALF_DTYPES, Backend, Capabilities, lse_dtype
 
 aten = torch.ops.aten
@@ -128,11 +128,15 @@ class TorchCUDABackend(Backend):
         max_head_dim=256,
         needs_out=True,  # both backward ops derive delta from `out`
         priority=30,
+        window=True,  # the flash kernels' window bounds (see window_native)
+        varlen=True,  # the flash kernels' cu_seqlens mode (fp16/bf16: see varlen_refusal)
     )
 
     def rank(self, dtype: torch.dtype, for_backward: bool = False, plan=None) -> tuple[bool, int]:
         """Priority 30 (below ``triton``'s 35), but 36 for the backward of an fp16 / bf16 block that
-        torch's flash kernel serves (not causal, or causal and square; see :meth:`_use_flash`).
+        torch's flash kernel served when this was measured (not causal, or causal and square; the
+        direct flash calls of :mod:`.torch_flash` serve more now, unmeasured: the committed dispatch
+        table, :mod:`.dispatch_table`, reorders what a GPU run has measured).
 
         Measured on one H100 80GB HBM3 (torch 2.11.0+cu130, triton 3.6.0; bf16, 32 query / 8 K,V
         heads, D = 128; benchmarks/results/gpu_real/, launches queued): the backward of a full 8K x 8K
@@ -161,19 +165,22 @@ class TorchCUDABackend(Backend):
             return "bfloat16 needs compute capability >= 8.0"
         return None
 
-    @staticmethod
-    def _use_flash(q: torch.Tensor, causal: bool, square: bool, for_backward: bool) -> bool:
-        """torch's flash kernel: fp16/bf16 on sm_80..sm_121 (``sdp_utils.cpp``), causal only on
-        square blocks; its backward raises for 192 < D <= 224 on sm_86/89/120/121 (``mha_bwd``)."""
-        cap = _capability(q.device)
-        if for_backward and 192 < q.shape[-1] <= 224 and ((8, 6) <= cap <= (8, 9) or (12, 0) <= cap):
-            return False
-        return (
-            q.dtype in HALF_DTYPES
-            and torch.backends.cuda.is_flash_attention_available()
-            and (8, 0) <= cap <= (12, 1)
-            and (square or not causal)
-        )
+    def window_native(self, q, plan, for_backward: bool) -> bool:
+        """Windows run natively on torch's flash kernels where their clamped bounds can express the
+        band (:func:`~seqpar.kernels.torch_flash.flash_pieces`); else as plain pieces."""
+        return torch_flash.flash_serves(q, for_backward) and \
+            torch_flash.flash_pieces(plan.rows, plan.keys, False, plan.window) is not None
+
+    def varlen_refusal(self, q, calls, for_backward: bool) -> str | None:
+        if not torch_flash.flash_serves(q, for_backward):
+            return "no varlen kernel for this case (only torch's flash kernels have one: fp16/bf16, sm_80..sm_121)"
+        return torch_flash.varlen_refusal(calls)
+
+    def varlen_forward(self, q, k, v, call, cu_q, cu_k, *, scale, acc=None):
+        return torch_flash.varlen_forward(q, k, v, call, cu_q, cu_k, float(scale))
+
+    def varlen_backward(self, dout, q, k, v, out, lse, delta, call, cu_q, cu_k, *, scale):
+        return torch_flash.varlen_backward(dout, q, k, v, out, lse, call, cu_q, cu_k, float(scale))
 
     @staticmethod
     def _mode(q, k, causal) -> str:
@@ -208,25 +215,26 @@ class TorchCUDABackend(Backend):
             return x.reshape(b, hkv, hq // hkv, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
         return _bhtd(x).contiguous()
 
-    def forward(self, q, k, v, *, scale, causal):
-        b, tq, hq, _ = q.shape
+    def forward(self, q, k, v, *, scale, causal, window=None):
+        if torch_flash.flash_serves(q, for_backward=False):
+            pieces = torch_flash.flash_pieces(q.shape[1], k.shape[1], causal, window)
+            return torch_flash.forward(q, k, v, pieces, scale)
+        b, tq, hq, _ = q.shape  # the memory-efficient kernel (never a window: window_native)
         hkv = k.shape[2]
         mode = self._mode(q, k, causal)
         qh = self._rows_in(q, hkv, mode)
         kh, vh = self._kv_in(k, hq // hkv, mode), self._kv_in(v, hq // hkv, mode)
-        if self._use_flash(q, causal, tq == k.shape[1], for_backward=False):
-            out, lse = aten._scaled_dot_product_flash_attention(
-                qh, kh, vh, 0.0, causal, False, scale=scale
-            )[:2]
-        else:
-            out, lse = aten._scaled_dot_product_efficient_attention(
-                qh, kh, vh, None, True, 0.0, causal, scale=scale
-            )[:2]
+        out, lse = aten._scaled_dot_product_efficient_attention(
+            qh, kh, vh, None, True, 0.0, causal, scale=scale
+        )[:2]
         rows = qh.shape[2]
         lse = lse[..., :rows].reshape(b, hq, tq)  # efficient pads rows to a multiple of 32
         return self._rows_out(out, q, mode), lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, *, scale, causal, delta):
+    def backward(self, dout, q, k, v, out, lse, *, scale, causal, delta, window=None):
+        if torch_flash.flash_serves(q, for_backward=True):
+            pieces = torch_flash.flash_pieces(q.shape[1], k.shape[1], causal, window)
+            return torch_flash.backward(dout, q, k, v, out, lse, pieces, scale)
         b, tq, hq, d = q.shape
         tk, hkv = k.shape[1], k.shape[2]
         g, dt = hq // hkv, q.dtype
@@ -237,24 +245,14 @@ class TorchCUDABackend(Backend):
         kh, vh = self._kv_in(k, g, mode), self._kv_in(v, g, mode)
         heads, rows = qh.shape[1], qh.shape[2]
         lse_h = lse.float().reshape(b, heads, rows)
-        if self._use_flash(q, causal, tq == tk, for_backward=True):
-            dev = q.device
-            dqh, dkh, dvh = aten._scaled_dot_product_flash_attention_backward(
-                doh, qh, kh, vh, oh, lse_h.contiguous(),
-                None, None, rows, tk, 0.0, causal,
-                torch.zeros(2, dtype=torch.uint64, device=dev),  # philox state: unused
-                torch.zeros((), dtype=torch.uint64, device=dev),  # without dropout
-                scale=scale,
-            )
-        else:
-            padded = (rows + 31) // 32 * 32  # the lse layout the forward op returns
-            lse_p = lse_h.new_full((b, heads, padded), float("inf"))
-            lse_p[..., :rows] = lse_h
-            zero = torch.zeros((), dtype=torch.int64)  # philox seed/offset: unused without dropout
-            dqh, dkh, dvh, _ = aten._scaled_dot_product_efficient_attention_backward(
-                doh, qh, kh, vh, None, oh, lse_p, zero, zero, 0.0,
-                [True, True, True, False], causal, scale=scale,
-            )
+        padded = (rows + 31) // 32 * 32  # the lse layout the forward op returns
+        lse_p = lse_h.new_full((b, heads, padded), float("inf"))
+        lse_p[..., :rows] = lse_h
+        zero = torch.zeros((), dtype=torch.int64)  # philox seed/offset: unused without dropout
+        dqh, dkh, dvh, _ = aten._scaled_dot_product_efficient_attention_backward(
+            doh, qh, kh, vh, None, oh, lse_p, zero, zero, 0.0,
+            [True, True, True, False], causal, scale=scale,
+        )
         if mode == "expand":  # sum the group's dK/dV in fp32, round once
             dkh = dkh.float().reshape(b, hkv, g, tk, d).sum(2)
             dvh = dvh.float().reshape(b, hkv, g, tk, d).sum(2)

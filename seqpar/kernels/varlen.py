@@ -291,7 +291,8 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: 
                              f"{tuple(q.shape)}: make them with new_accumulator(q.shape, q.device)")
     hq, d = q.shape[2], q.shape[3]
     parts = run_packed(q, k, v, backend, False, True,
-                       lambda chosen: forward_parts(chosen, q, k, v, segments, scale, (acc_out, acc_lse)))
+                       lambda chosen: forward_parts(chosen, q, k, v, segments, scale, (acc_out, acc_lse)),
+                       segments.packed_calls())
     if parts is not None:
         for qi, o, lse, merged in parts:
             if merged:  # the kernel merged into the gathered accumulator rows
@@ -347,7 +348,8 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             if tuple(x.shape) != tuple(like.shape):
                 raise ValueError(f"grad_acc {name} has shape {tuple(x.shape)}, expected {tuple(like.shape)}")
     parts = run_packed(q, k, v, backend, True, out is not None,
-                       lambda chosen: backward_parts(chosen, dout, q, k, v, out, lse, delta, segments, scale))
+                       lambda chosen: backward_parts(chosen, dout, q, k, v, out, lse, delta, segments, scale),
+                       segments.packed_calls())
     if parts is not None:
         for qi, ki, dq, dk, dv in parts:
             dq_a[0].index_add_(0, qi, dq.to(acc))

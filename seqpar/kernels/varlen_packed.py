@@ -109,29 +109,32 @@ def rows_disjoint(calls: tuple[PackedCall, ...]) -> bool:
     return all(a[0] + a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
 
 
-def packed_backend(q, k, v, backend: str | None, for_backward: bool, has_out: bool) -> Backend | None:
+def packed_backend(q, k, v, backend: str | None, for_backward: bool, has_out: bool,
+                   calls: tuple[PackedCall, ...] = ()) -> Backend | None:
     """The backend whose varlen kernel serves these streams, or ``None`` for per-segment block calls
-    (the choice in the module docstring). Raises ``ValueError`` for an unknown name or a forced
-    varlen backend that cannot serve."""
+    (the choice in the module docstring; a varlen kernel that cannot express ``calls``,
+    :meth:`~seqpar.kernels.base.Backend.varlen_refusal`, leaves them to block calls too). Raises
+    ``ValueError`` for an unknown name or a forced varlen backend that cannot serve."""
     if backend is not None:
         chosen = _by_name(backend)
-        if not chosen.caps.varlen:
+        if chosen.varlen_refusal(q, calls, for_backward):
             return None
         why = chosen.refusal(q, k, v, "none", for_backward, has_out)
         if why:
             raise ValueError(f"backend={backend!r} cannot serve this varlen block: {why}")
         return chosen
     first = next(_candidates(q, k, v, "none", for_backward, has_out, [], packed=True), None)
-    if first is None or not first.caps.varlen:
+    if first is None or first.varlen_refusal(q, calls, for_backward):
         return None
     return None if FAILED_KERNELS.reason(first.name, KernelCase.of(q, k, "varlen", for_backward)) else first
 
 
-def run_packed(q, k, v, backend: str | None, for_backward: bool, has_out: bool, run: Callable[[Backend], list]):
-    """``run(chosen)`` on the backend of :func:`packed_backend`, or ``None`` for per-segment calls.
-    When chosen automatically, a launch failure demotes its varlen case (one warning) and gives
-    ``None``: the caller falls back to per-segment block calls."""
-    chosen = packed_backend(q, k, v, backend, for_backward, has_out)
+def run_packed(q, k, v, backend: str | None, for_backward: bool, has_out: bool, run: Callable[[Backend], list],
+               calls: tuple[PackedCall, ...] = ()):
+    """``run(chosen)`` on the backend of :func:`packed_backend` for ``calls``, or ``None`` for
+    per-segment calls. When chosen automatically, a launch failure demotes its varlen case (one
+    warning) and gives ``None``: the caller falls back to per-segment block calls."""
+    chosen = packed_backend(q, k, v, backend, for_backward, has_out, calls)
     if chosen is None:
         return None
     if backend is not None:

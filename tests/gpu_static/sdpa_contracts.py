@@ -153,6 +153,73 @@ def efficient_backward(cap, grad_out, query, key, value, attn_bias, out, logsume
     return bad
 
 
+def _bhmd(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H, D]`` (or a packed ``[R, H, D]``) as the ``[B, H, M, D]`` view the SDPA checks take."""
+    return (x if x.dim() == 4 else x.unsqueeze(0)).transpose(1, 2)
+
+
+def _flash_window(q, k, is_causal, left, right) -> list[str]:
+    """``mha_fwd`` / ``mha_bwd`` (``flash_api.cpp``): a bound ``>= Tk`` becomes ``-1`` (unbounded);
+    on the right that shows keys the bound hid unless every row's bound reaches the last key
+    (``Tk - Tq + right >= Tk - 1``), and ``is_causal`` sets ``right = 0``, bottom-right aligned."""
+    tq, tk = q.shape[-3], k.shape[-3]
+    left, right = -1 if left is None else left, -1 if right is None else right
+    bad = []
+    if is_causal and right not in (-1, 0):
+        bad.append(f"is_causal with window_size_right={right}: the kernel sets right = 0")
+    if right >= tk and tk - tq + right < tk - 1:
+        bad.append(f"window_size_right={right} >= Tk={tk} is clamped to -1 (unbounded) but hides keys from "
+                   f"the first rows of a {tq} x {tk} block: the kernel would show them")
+    if left < -1 or right < -1:
+        bad.append(f"window sizes must be >= -1, got ({left}, {right})")
+    return bad
+
+
+def flash_raw_forward(cap, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                      return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
+                      seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None) -> list[str]:
+    """``aten._flash_attention_forward``: ``[B, T, H, D]`` (``[R, H, D]`` with ``cum_seq_q/k``)."""
+    bad = _flash_common(cap, *(_bhmd(x) for x in (query, key, value)), False)
+    bad += _flash_window(query, key, is_causal, window_size_left, window_size_right)
+    if dropout_p or return_debug_mask or alibi_slopes is not None or block_table is not None:
+        bad.append("seqpar never passes dropout, a debug mask, ALiBi or a block table")
+    bad += _cu_seqlens(query, key, cum_seq_q, cum_seq_k, max_q, max_k)
+    return bad
+
+
+def flash_raw_backward(cap, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                       dropout_p, is_causal, philox_seed, philox_offset, *, scale=None, window_size_left=None,
+                       window_size_right=None) -> list[str]:
+    bad = _flash_common(cap, *(_bhmd(x) for x in (query, key, value)), False)
+    bad += _flash_window(query, key, is_causal, window_size_left, window_size_right)
+    bad += _on_cuda(grad_out=grad_out, out=out, logsumexp=logsumexp)
+    for n, t in (("out", out), ("grad_out", grad_out)):
+        if t.dtype != query.dtype or tuple(t.shape) != tuple(query.shape):
+            bad.append(f"{n} must be {query.dtype} {tuple(query.shape)} (mha_bwd), got {t.dtype} {tuple(t.shape)}")
+    hq = query.shape[-2]
+    want = (hq, query.shape[0]) if cum_seq_q is not None else (query.shape[0], hq, query.shape[1])
+    if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != want or not logsumexp.is_contiguous():
+        bad.append(f"logsumexp must be contiguous float32 {list(want)} (read through a raw pointer), got "
+                   f"{logsumexp.dtype} {tuple(logsumexp.shape)} strides {logsumexp.stride()}")
+    d = query.shape[-1]
+    narrow_smem = (8, 6) <= tuple(cap) <= (8, 9) or (12, 0) <= tuple(cap) <= (12, 1)
+    if narrow_smem and 192 < d <= 224:
+        bad.append(f"flash backward with head dim {d} in (192, 224] raises on {_arch(cap)}")
+    return bad + _cu_seqlens(query, key, cum_seq_q, cum_seq_k, max_q, max_k)
+
+
+def _cu_seqlens(q, k, cu_q, cu_k, max_q, max_k) -> list[str]:
+    if cu_q is None and cu_k is None:
+        if (max_q, max_k) != (q.shape[1], k.shape[1]):
+            return [f"dense call with max_q, max_k = {max_q}, {max_k} != Tq, Tk = {q.shape[1]}, {k.shape[1]}"]
+        return []
+    bad = [] if q.dim() == 3 and k.dim() == 3 else ["packed calls take [R, H, D] streams"]
+    for n, t in (("cum_seq_q", cu_q), ("cum_seq_k", cu_k)):
+        if t is None or t.dtype != torch.int32 or not t.is_contiguous() or t.device.type != "cuda":
+            bad.append(f"{n} must be a contiguous int32 CUDA tensor")
+    return bad
+
+
 def _cudnn_common(cap, q, k, v, attn_bias, dropout_p) -> list[str]:
     """torch's cuDNN attention (``cudnn/MHA.cpp``, ``sdp_utils.cpp`` ``check_cudnn_*``): sm_80 and
     newer, fp16/bf16, D % 8 == 0 and D <= 128 with the cuDNN torch 2.11 ships (9.19), Hq % Hkv == 0,
@@ -202,6 +269,8 @@ def cudnn_backward(cap, grad_out, query, key, value, out, logsumexp, philox_seed
 
 
 CHECKS = {
+    aten._flash_attention_forward.default: flash_raw_forward,
+    aten._flash_attention_backward.default: flash_raw_backward,
     aten._scaled_dot_product_cudnn_attention.default: cudnn_forward,
     aten._scaled_dot_product_cudnn_attention_backward.default: cudnn_backward,
     aten._scaled_dot_product_flash_attention.default: flash_forward,
