@@ -5,9 +5,10 @@ heads, from ``tests/model_folders.py``), SGD (a wrong gradient scale moves the w
 amount; no clipping, constant learning rate), real-text documents of awkward lengths (1 to 97 tokens)
 packed by ``DataCollatorWithFlattening``, random sampling. One torchrun launch per world size runs its
 configurations in sequence (2 ranks: cp 2 with gradient accumulation, ulysses, right padding,
-torch_compile, bad inputs, and a trainer whose gradients are averaged instead of summed, which the comparison must
-catch; 3 ranks: cp 3; 4 ranks: cp 2 x dp 2 under DDP and under FSDP2 (also compiled), cp 4 usp
-with cp_options={"ulysses_degree": 2}, a bad batch in one data-parallel group). Rank 0 saves the model with ``save_model`` and writes the logged losses; the
+torch_compile, bad inputs, and a trainer whose gradients are averaged instead of summed, which the
+comparison must catch; 3 ranks: cp 3; 4 ranks: cp 2 x dp 2 under DDP and under FSDP2 (also
+compiled), cp 4 usp with cp_options={"ulysses_degree": 2}, a bad batch in one data-parallel group).
+Rank 0 saves the model with ``save_model`` and writes the logged losses and gradient norms; the
 test reloads the saved folder with ``from_pretrained`` and compares with the plain ``Trainer`` run
 in one process on batches ``dp`` times larger (the same examples per optimizer step).
 
@@ -61,6 +62,7 @@ BAD = {
     "bad_left_padding": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=1, collator="left"), "not right-padded"),
     "bad_world": (2, dict(cp=3, method="zigzag_ring", batch=3, ga=1), "context_parallel_size: 3 does not divide"),
     "bad_method": (2, dict(cp=2, method="zeco", batch=3, ga=1), "cp_method='zeco'"),
+    "bad_eval": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=1, eval=True), "eval_strategy: evaluation under"),
     "bad_one_group": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=1, collator="left_group0"), "refused"),
 }
 
@@ -114,7 +116,7 @@ class FlattenCollator:
 
 
 def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
-    """One training run; returns (logged losses, trainer)."""
+    """One training run; returns ([(logged loss, logged grad_norm) per step], trainer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -124,16 +126,20 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
     extra = {}
     if opts.get("fsdp") and cp_trainer:  # the reference is one process: no sharding
         extra = dict(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
+    if opts.get("eval"):
+        extra.update(eval_strategy="steps", eval_steps=1)
     if opts.get("compile") and cp_trainer:
         extra.update(torch_compile=True, torch_compile_backend=opts["compile"])
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=opts["ga"],
         max_steps=STEPS, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
         warmup_steps=0, weight_decay=0.0, logging_steps=1, report_to=[], save_strategy="no", seed=7,
-        use_cpu=True, disable_tqdm=True, remove_unused_columns=False, dataloader_drop_last=False, **extra)
+        use_cpu=True, disable_tqdm=True, remove_unused_columns=False, dataloader_drop_last=False,
+        include_num_input_tokens_seen="non_padding", **extra)
     side = opts.get("collator", "flat")
     collator = FlattenCollator() if side == "flat" else PadCollator(tokenizer.pad_token_id, side)
-    kwargs = dict(model=model, args=args, train_dataset=_documents(tokenizer), data_collator=collator)
+    kwargs = dict(model=model, args=args, train_dataset=_documents(tokenizer), data_collator=collator,
+                  processing_class=tokenizer, eval_dataset=_documents(tokenizer)[:5] if opts.get("eval") else None)
     if cp_trainer:
         from seqpar.integrations.hf_trainer import ContextParallelTrainer
 
@@ -154,7 +160,9 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
 
         assert isinstance(trainer.model, FSDPModule) and isinstance(trainer.model.lm_head.weight, DTensor)
         assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
+    logged = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    logged.append(("tokens", trainer.state.num_input_tokens_seen))
+    return logged, trainer
 
 
 def _main(out_dir: str, folder: str, names: list[str]) -> None:
@@ -224,8 +232,8 @@ def folder(tmp_path_factory) -> Path:
 def _reference(folder: Path, tmp: Path, name: str):
     """The plain Trainer in this process on the same global batches: losses and the updated weights."""
     world, opts = CONFIGS[name]
-    losses, trainer = _train(str(folder), str(tmp / f"ref_{name}"), opts, world, cp_trainer=False)
-    return losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    logged, trainer = _train(str(folder), str(tmp / f"ref_{name}"), opts, world, cp_trainer=False)
+    return logged, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
 def _compare(folder: Path, tmp: Path, out: Path, name: str, results: dict) -> tuple[float, float]:
@@ -240,16 +248,21 @@ def _compare(folder: Path, tmp: Path, out: Path, name: str, results: dict) -> tu
     start = AutoModelForCausalLM.from_pretrained(str(folder)).state_dict()
     saved = AutoModelForCausalLM.from_pretrained(str(out / name)).state_dict()  # save_model wrote the full model
     assert len(records) == world and all(r["losses"] == records[0]["losses"] for r in records)
-    losses = records[0]["losses"]
+    losses, tokens = records[0]["losses"][:-1], records[0]["losses"][-1]
+    want_tokens = ref_losses.pop()[1]
+    assert tokens[1] == want_tokens, (name, tokens, want_tokens)  # num_input_tokens_seen: the global batches
     assert len(losses) == len(ref_losses) == STEPS
-    loss_err = max(abs(got - want) for got, want in zip(losses, ref_losses))
+    loss_err = max(abs(got[0] - want[0]) for got, want in zip(losses, ref_losses))
+    # the logged gradient norm: of the summed gradients (DDP) or of the sharded ones (FSDP2)
+    norm_err = max(abs(got[1] - want[1]) / want[1] for got, want in zip(losses, ref_losses))
     assert set(saved) == set(ref_weights)
     update_err = 0.0
     for key, want in ref_weights.items():
         update, want_update = saved[key] - start[key], want - start[key]
         update_err = max(update_err, float((update - want_update).norm() / want_update.norm().clamp(min=1e-30)))
-    print(f"{name}: loss error {loss_err:.2e}, update error {update_err:.2e} (relative)")
-    return loss_err, update_err
+    print(f"{name}: loss error {loss_err:.2e}, grad_norm error {norm_err:.2e}, update error {update_err:.2e} "
+          "(relative)")
+    return loss_err, max(update_err, norm_err)
 
 
 def _assert_equal(folder: Path, tmp: Path, out: Path, name: str, results: dict) -> None:
@@ -341,7 +354,8 @@ def test_one_process_equals_trainer_and_bad_arguments(folder, tmp_path):
     opts = dict(cp=1, method="zigzag_ring", batch=3, ga=2, collator="pad")
     runs = [_train(str(folder), str(tmp_path / str(cp)), opts, 1, cp_trainer=cp) for cp in (False, True)]
     (ref_losses, ref), (losses, ours) = runs
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= LOSS_ATOL
+    assert losses.pop()[1] == ref_losses.pop()[1]  # num_input_tokens_seen
+    assert max(abs(a[0] - b[0]) for a, b in zip(losses, ref_losses)) <= LOSS_ATOL
     data = _documents(ref.processing_class or __import__("transformers").AutoTokenizer.from_pretrained(str(folder)))
     assert abs(ours.evaluate(data[:7])["eval_loss"] - ref.evaluate(data[:7])["eval_loss"]) <= LOSS_ATOL
     args = TrainingArguments(output_dir=str(tmp_path / "x"), use_cpu=True, report_to=[])

@@ -10,8 +10,8 @@ data-parallel groups. What changes against the plain Trainer, and why the result
   process with ``dp`` times the batch sees the same examples in each optimizer step.
 - **Inputs.** Each batch is packed into documents (``batches.pack_batch``: the position ids of
   ``DataCollatorWithFlattening``, rows, or right padding) and this rank's shard is taken with
-  :func:`~seqpar.integrations.hf.shard_inputs`; the model was converted with
-  :func:`~seqpar.integrations.hf.apply_context_parallel` over the ``cp`` axis.
+  :func:`~seqpar.integrations.hf.shard_inputs`; the model's attention was converted over the ``cp``
+  axis by :func:`~seqpar.integrations.parallelize.parallelize` (USP's groups built once).
 - **Loss.** Every rank computes the cross-entropy *sum* of its own tokens and divides it by the
   global label count of the optimizer step (all micro-batches, all groups: one all-reduce per step),
   so the per-rank values add up to the global token mean. See :meth:`ContextParallelTrainer.compute_loss`
@@ -57,7 +57,7 @@ def _check_arguments(context_parallel_size, cp_method, cp_options) -> dict:
     return options
 
 
-def _check_training_arguments(args: TrainingArguments, cp: int, compute_loss_func) -> None:
+def _check_training_arguments(args: TrainingArguments, cp: int) -> None:
     """What the context-parallel trainer cannot honour, refused the same way on every rank."""
     world = args.world_size  # initialises torch.distributed from the launcher's environment
     if world % cp:
@@ -76,8 +76,6 @@ def _check_training_arguments(args: TrainingArguments, cp: int, compute_loss_fun
         "label smoothing is not supported; set it to 0",
         "train_sampling_strategy": args.train_sampling_strategy == "batch_rebalance" and cp > 1 and
         "'batch_rebalance' deals batches per rank, not per context-parallel group; use 'random' or 'group_by_length'",
-        "compute_loss_func": compute_loss_func is not None and
-        "a custom loss would see this rank's shard only; the trainer computes the token cross-entropy itself",
         "eval_strategy": cp > 1 and str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" and
         "evaluation under context parallelism is not supported yet; set eval_strategy='no'",
         "n_gpu": args.n_gpu > 1 and "one process drives several GPUs (DataParallel); launch one process per GPU",
@@ -136,9 +134,10 @@ class ContextParallelTrainer(Trainer):
     right padding with an attention mask (packed here; left padding is refused). Shapes: a batch of
     ``T_total`` tokens gives each rank ``T_local = T_total / cp`` (plus the method's padding). Weight
     updates and the logged ``loss`` equal a single-process ``Trainer`` whose batch is ``dp`` times
-    larger (the global token mean); DDP (the default) and FSDP2 (``fsdp="full_shard"``,
-    ``fsdp_config={"version": 2}``) both work, as does ``torch_compile`` where seqpar's attention
-    compiles. ``evaluate``/``predict`` with ``context_parallel_size > 1`` raise (not supported yet).
+    larger (the global token mean); DDP (the default) and FSDP2 (``fsdp=True``,
+    ``fsdp_config={"version": 2}``; ``bf16=True`` is its mixed precision) both work, with gradient
+    accumulation and ``torch_compile=True``; ``save_model`` writes the full model.
+    ``evaluate``/``predict`` with ``context_parallel_size > 1`` raise (not supported yet).
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *rest, context_parallel_size: int = 1,
@@ -146,12 +145,15 @@ class ContextParallelTrainer(Trainer):
         options = _check_arguments(context_parallel_size, cp_method, cp_options)
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
-        _check_training_arguments(args, context_parallel_size, kwargs.get("compute_loss_func"))
+        _check_training_arguments(args, context_parallel_size)
         self.context_parallel_size = context_parallel_size
         self.cp_method = cp_method
         self.cp_options = options
         self.fsdp_options, args = _take_fsdp(args)
         super().__init__(model, args, *rest, **kwargs)
+        if self.compute_loss_func is not None:  # local, the same on every rank
+            raise ValueError("compute_loss_func: a custom loss would see this rank's shard only; the context-parallel "
+                             "trainer computes the token cross-entropy itself (ContextParallelTrainer)")
         # compute_loss normalises by the label count of the whole accumulation window itself
         self.loss_is_scaled_for_ga = True
         self.cp_mesh = self._build_mesh()
@@ -254,6 +256,13 @@ class ContextParallelTrainer(Trainer):
                                   across_dp=self.args.average_tokens_across_devices, device=self.args.device)
         return packed, torch.tensor(float(total), device=self.args.device)
 
+    def _track_num_input_tokens(self, inputs):
+        """The Trainer sums every rank's tokens; the ranks of a context-parallel group hold the same batch."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        seen = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + seen // self.context_parallel_size
+
     # ------------------------------------------------------------------------- loss
 
     def _loss_scale(self) -> int:
@@ -262,12 +271,12 @@ class ContextParallelTrainer(Trainer):
         A rank's share is ``c_r = (its token-loss sum) / N`` with ``N`` the label count of the step's
         whole batch (``average_tokens_across_devices``, the default) or of its group's batch. The
         single-process gradient is ``sum_r grad(c_r)`` (global counts) or ``(1/dp) sum_r grad(c_r)``
-        (the Trainer's mean over data-parallel devices, per-group counts). DDP and accelerate's FSDP2
-        both *average* gradients over the ``W`` ranks, so a rank back-propagates ``W * c_r`` (resp.
-        ``W/dp = cp``) and the average is exactly that sum (FSDP2 from :func:`parallelize` sums instead:
-        there the gradient is taken of ``c_r`` itself, the value stays). The same factor makes the Trainer's logged
-        loss right: it averages the ``W`` ranks' returned values, ``(1/W) sum_r W c_r`` = the global
-        token mean (or the mean of the groups' token means).
+        (the Trainer's mean over data-parallel devices, per-group counts). DDP *averages* gradients
+        over the ``W`` ranks, so a rank back-propagates ``W * c_r`` (resp. ``W/dp = cp``) and the
+        average is exactly that sum. FSDP2 from :func:`parallelize` sums instead: there the gradient is
+        taken of ``c_r`` (resp. ``c_r / dp``) and only the value keeps the factor. The factor makes the
+        Trainer's logged loss right: it averages the ``W`` ranks' returned values,
+        ``(1/W) sum_r W c_r`` = the global token mean (or the mean of the groups' token means).
         """
         return self.args.world_size if self.args.average_tokens_across_devices else self.context_parallel_size
 
