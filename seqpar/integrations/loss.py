@@ -216,11 +216,11 @@ def causal_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, *, chun
     first call, as ``model.seqpar_causal_lm_loss``), so the root's parameters, the output
     embedding included, are all-gathered for it and its gradients reduce-scattered like forward's.
     """
-    method = getattr(model, _METHOD, None)
-    if method is None:
-        from torch.distributed.fsdp import register_fsdp_forward_method
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
+    sharded = isinstance(model, FSDPModule)
+    if getattr(model, _METHOD + "_sharded", None) is not sharded:  # first call, or sharded since
         setattr(model, _METHOD, types.MethodType(_loss_forward, model))
         register_fsdp_forward_method(model, _METHOD)  # a no-op when the model is not FSDP-sharded
-        method = getattr(model, _METHOD)
-    return method(input_ids, labels, chunk_size, ignore_index, backend, model_kwargs)
+        setattr(model, _METHOD + "_sharded", sharded)
+    return getattr(model, _METHOD)(input_ids, labels, chunk_size, ignore_index, backend, model_kwargs)
