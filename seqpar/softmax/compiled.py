@@ -11,7 +11,7 @@ Function's ``forward`` and ``backward`` (:mod:`.executor`, :mod:`.ulysses`) that
 
 Tensors:
     ``attention_fwd(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], sinks [Hq] | None,
-    cu_seqlens [docs + 1] int | None, key) -> (out [B, T_local, Hq, D], saved)``; ``saved`` are the
+    cu_seqlens [docs + 1] int | None, key, heads) -> (out [B, T_local, Hq, D], saved)``; ``saved`` are the
     tensors the Function keeps for backward besides its inputs and ``out``: ring family ``[lse
     [B, Hq, T_local]]``; Ulysses / USP the head-sharded ``[qh, kh, vh, outh, lse]`` (``[B, U*T_local,
     h, D]``, lse ``[B, h, U*T_local]``, h this member's heads). lse is float32 (float64 for float64).
@@ -161,7 +161,7 @@ def _fresh(t: torch.Tensor, others) -> torch.Tensor:
 
 @torch.library.custom_op("seqpar::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                  cu_seqlens: torch.Tensor | None, key: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                  cu_seqlens: torch.Tensor | None, key: int, heads: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     call = _call(key)
     arguments = call.arguments(q, k, v, sinks, cu_seqlens)
     trace = resolve(arguments["trace"])
@@ -181,24 +181,36 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     return out, saved
 
 
-@attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, sinks, cu_seqlens, key):
-    call = _call(key)
-    options = dict(call.options)
-    out = q.new_empty(q.shape)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    b, t, hq, d = q.shape
+@torch.compiler.assume_constant_result
+def saved_heads(key: int, hq: int, hkv: int) -> int:
+    """This rank's head-sharded shapes of a call, as one int the graph carries (0: ring family).
+
+    The fake implementation reads them from here, never from the registry or the process group:
+    compiled graphs are cached on disk by their code, and two ranks (or two processes) whose graphs
+    read the same must produce the same shapes. ``U * 2**40 + h * 2**20 + h_kv``: the Ulysses
+    degree and this member's query and KV heads."""
+    options = dict(_call(key).options)
     family = declared(options["method"], kind="softmax").family
     if family == "ring":
-        return out, [q.new_empty((b, hq, t), dtype=acc)]
+        return 0
     if family == "usp":
         axes = describe_usp(options["group"], options["ulysses_degree"])
         u, me = axes.ulysses_degree, axes.u
     else:
         info = group_info(options["group"])
         u, me = info.size, info.rank
-    q_split, kv_split = split_heads(hq, k.shape[2], u)
-    h, hkv = q_split.count(me), kv_split.count(me)
+    q_split, kv_split = split_heads(hq, hkv, u)
+    return (u << 40) | (q_split.count(me) << 20) | kv_split.count(me)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, sinks, cu_seqlens, key, heads):
+    out = q.new_empty(q.shape)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, t, hq, d = q.shape
+    if heads == 0:  # ring family: lse
+        return out, [q.new_empty((b, hq, t), dtype=acc)]
+    u, h, hkv = heads >> 40, (heads >> 20) & 0xFFFFF, heads & 0xFFFFF
     return out, [q.new_empty((b, u * t, h, d)), k.new_empty((b, u * t, hkv, d)),
                  v.new_empty((b, u * t, hkv, v.shape[3])), q.new_empty((b, u * t, h, v.shape[3])),
                  q.new_empty((b, h, u * t), dtype=acc)]
@@ -231,7 +243,7 @@ def _attention_bwd_fake(dout, q, k, v, sinks, cu_seqlens, out, saved, key):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, cu_seqlens, key = inputs
+    q, k, v, sinks, cu_seqlens, key, _heads = inputs
     out, saved = output
     ctx.save_for_backward(q, k, v, sinks, cu_seqlens, out, *saved)
     ctx.key = key
@@ -240,7 +252,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dsaved):
     q, k, v, sinks, cu_seqlens, out, *saved = ctx.saved_tensors
     dq, dk, dv, ds = attention_bwd(dout.contiguous(), q, k, v, sinks, cu_seqlens, out, saved, ctx.key)
-    return dq, dk, dv, (ds if sinks is not None and ctx.needs_input_grad[3] else None), None, None
+    return dq, dk, dv, (ds if sinks is not None and ctx.needs_input_grad[3] else None), None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -263,8 +275,9 @@ def compiled_attention(q, k, v, arguments: dict, setup: Callable) -> torch.Tenso
     options = {name: value for name, value in arguments.items()
                if name not in TENSOR_ARGUMENTS and not (name == "cu_seqlens" and cu_tensor)}
     key = register_call(setup, needs_grad, cu_tensor, **options)
-    out, _ = attention_fwd(q, k, v, sinks, cu if cu_tensor else None, key)
+    heads = saved_heads(key, int(q.shape[2]), int(k.shape[2]))
+    out, _ = attention_fwd(q, k, v, sinks, cu if cu_tensor else None, key, heads)
     return out
 
 
-__all__ = ["RegisteredCall", "attention_bwd", "attention_fwd", "compiled_attention", "register_call"]
+__all__ = ["RegisteredCall", "attention_bwd", "attention_fwd", "compiled_attention", "register_call", "saved_heads"]
