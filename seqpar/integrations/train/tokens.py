@@ -180,6 +180,15 @@ class Documents:
         bos = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
         return [bos + list(t) + [self.tokenizer.eos_token_id] for t in ids]
 
+    def _texts(self, lo: int, hi: int) -> list[str]:
+        """Texts of documents ``[lo, hi)``: table rows sliced at once, everything else one by one."""
+        refs = self.refs[lo:hi]
+        if refs and all(r.kind == "table" and r.path == refs[0].path for r in refs):
+            rows = self._tables[refs[0].path][refs[0].at:refs[-1].at + 1][self.text_field]
+            if len(rows) == len(refs):  # consecutive rows (always, as scan lists them)
+                return [t or "" for t in rows]
+        return [self.text(d) for d in range(lo, hi)]
+
     def _count(self, cache_dir) -> list[int]:
         cache = Path(cache_dir) / f"token-counts-{self.fingerprint}.json" if cache_dir is not None else None
         if cache is not None and cache.is_file():
@@ -188,8 +197,7 @@ class Documents:
                 return counts
         counts = []
         for lo in range(0, len(self.refs), _BATCH):
-            texts = [self.text(d) for d in range(lo, min(lo + _BATCH, len(self.refs)))]
-            counts += [len(t) for t in self._tokens(texts)]
+            counts += [len(t) for t in self._tokens(self._texts(lo, min(lo + _BATCH, len(self.refs))))]
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache.with_suffix(f".tmp{os.getpid()}")
