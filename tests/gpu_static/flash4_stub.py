@@ -188,8 +188,14 @@ def flash4_on_fake_gpu(source_path: Path, version: str, capability: tuple[int, i
     def version_of(name):
         return (installed or version) if name == "flash-attn-4" else real_version(name)
 
+    from seqpar.kernels.flash4 import installed_version
+
     modules = {"flash_attn": package, "flash_attn.cute": cute, "flash_attn.cute.interface": module}
-    with mock.patch.dict(sys.modules, modules), mock.patch("importlib.metadata.version", version_of), \
-            fake_cuda(capability) as contracts:
-        yield kernels
+    installed_version.cache_clear()  # read once per process: make it read the patched metadata
+    try:
+        with mock.patch.dict(sys.modules, modules), mock.patch("importlib.metadata.version", version_of), \
+                fake_cuda(capability) as contracts:
+            yield kernels
+    finally:
+        installed_version.cache_clear()
     assert contracts.violations == [], contracts.violations
