@@ -6,8 +6,9 @@ amount; no clipping, constant learning rate), real-text documents of awkward len
 packed by ``DataCollatorWithFlattening``, random sampling. One torchrun launch per world size runs its
 configurations in sequence (2 ranks: cp 2 with gradient accumulation, ulysses, right padding,
 torch_compile, bad inputs, and a trainer whose gradients are averaged instead of summed, which the
-comparison must catch; 3 ranks: cp 3; 4 ranks: cp 2 x dp 2 under DDP and under FSDP2 (also
-compiled), cp 4 usp with cp_options={"ulysses_degree": 2}, a bad batch in one data-parallel group).
+comparison must catch; 3 ranks: cp 3; 4 ranks: cp 2 x dp 2 under DDP, under FSDP2 (also
+compiled) and from a streaming dataset, cp 4 usp with cp_options={"ulysses_degree": 2}, a bad batch
+in one data-parallel group).
 Rank 0 saves the model with ``save_model`` and writes the logged losses and gradient norms; the
 test reloads the saved folder with ``from_pretrained`` and compares with the plain ``Trainer`` run
 in one process on batches ``dp`` times larger (the same examples per optimizer step).
@@ -54,6 +55,8 @@ CONFIGS = {
     # DDP's average over the ranks left as it is (no factor W): half the gradient at cp 2
     "wrong_scale": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, wrong_scale=True)),
     "cp2_dp2_ddp": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2)),
+    # a streaming dataset: each group takes its slice of every dp x batch examples (accelerate's rule)
+    "cp2_dp2_iterable": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, iterable=True)),
     "cp4_usp": (4, dict(cp=4, method="usp", options={"ulysses_degree": 2}, batch=4, ga=1)),
     "cp2_dp2_fsdp2": (4, dict(cp=2, method="allgather_kv", batch=2, ga=2, fsdp=True)),
 }
@@ -63,6 +66,7 @@ BAD = {
     "bad_world": (2, dict(cp=3, method="zigzag_ring", batch=3, ga=1), "context_parallel_size: 3 does not divide"),
     "bad_method": (2, dict(cp=2, method="zeco", batch=3, ga=1), "cp_method='zeco'"),
     "bad_eval": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=1, eval=True), "eval_strategy: evaluation under"),
+    "bad_dispatch": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=1, iterable="dispatch"), "dispatch_batches"),
     "bad_one_group": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=1, collator="left_group0"), "refused"),
 }
 
@@ -103,6 +107,16 @@ class PadCollator:
         return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask), "labels": torch.tensor(labels)}
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """The documents as a stream (no length, no sampler)."""
+
+    def __init__(self, docs):
+        self.docs = docs
+
+    def __iter__(self):
+        return iter(self.docs)
+
+
 class FlattenCollator:
     """transformers' DataCollatorWithFlattening, given only input_ids."""
 
@@ -128,6 +142,8 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
         extra = dict(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
     if opts.get("eval"):
         extra.update(eval_strategy="steps", eval_steps=1)
+    if opts.get("iterable") is True:  # dispatch_batches would send every rank a slice of one batch
+        extra.update(accelerator_config={"dispatch_batches": False})
     if opts.get("compile") and cp_trainer:
         extra.update(torch_compile=True, torch_compile_backend=opts["compile"])
     args = TrainingArguments(
@@ -138,7 +154,10 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
         include_num_input_tokens_seen="non_padding", **extra)
     side = opts.get("collator", "flat")
     collator = FlattenCollator() if side == "flat" else PadCollator(tokenizer.pad_token_id, side)
-    kwargs = dict(model=model, args=args, train_dataset=_documents(tokenizer), data_collator=collator,
+    data = _documents(tokenizer)
+    if opts.get("iterable"):
+        data = Stream(data)
+    kwargs = dict(model=model, args=args, train_dataset=data, data_collator=collator,
                   processing_class=tokenizer, eval_dataset=_documents(tokenizer)[:5] if opts.get("eval") else None)
     if cp_trainer:
         from seqpar.integrations.hf_trainer import ContextParallelTrainer
@@ -313,6 +332,21 @@ def test_world3_cp3(folder, tmp_path_factory, tmp_path):
     out = tmp_path_factory.mktemp("world3")
     results = _launch(3, ["cp3_striped"], out, folder)
     _assert_equal(folder, tmp_path, out, "cp3_striped", results)
+
+
+@pytest.mark.slow
+def test_example_script_runs_under_torchrun(tmp_path):
+    """examples/hf_trainer.py as a user runs it (2 ranks, cp 2, FSDP2): it trains and saves a model
+    that from_pretrained loads."""
+    from transformers import AutoModelForCausalLM
+
+    example = Path(__file__).parents[1] / "examples" / "hf_trainer.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(example),
+           "--cp", "2", "--steps", "2", "--fsdp", "--output", str(tmp_path / "out")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).config.num_key_value_heads == 2
 
 
 # ----------------------------------------------------------------------------- in one process
