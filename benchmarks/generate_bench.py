@@ -64,6 +64,33 @@ def _run(model, cache, ids, new: int) -> tuple[float, list[float], list[int]]:
     return prefill, steps, tokens
 
 
+def _choices(model, cache, ids, repeats: int, turn: int = 64, steps: int = 8) -> dict:
+    """On a filled cache: a ``turn``-token second turn by K,V passing and by query passing, and
+    ``steps`` decode steps with each combine (best of ``repeats``; the cache is cropped back after each)."""
+    got = {}
+    for mode in ("pass_kv", "pass_q"):
+        cache.prefill, times = mode, []
+        for _ in range(repeats):
+            sent = cache.stats.total("prefill")
+            t0 = time.perf_counter()
+            model(input_ids=ids[:, :turn], cache=cache, logits_to_keep=1)
+            times.append(time.perf_counter() - t0)
+            cache.crop(-turn)
+        got[mode] = {"s": min(times), "bytes": cache.stats.total("prefill") - sent}
+    nxt = ids[:, :1]
+    for mode in ("allgather", "tree"):
+        cache.decode_combine, times = mode, []
+        sent = cache.stats.total("decode")
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            model(input_ids=nxt, cache=cache, logits_to_keep=1)
+            times.append(time.perf_counter() - t0)
+        cache.crop(-steps)
+        got[mode] = {"ms": 1e3 * statistics.median(times), "bytes_per_token": (cache.stats.total("decode") - sent) / steps}
+    cache.prefill, cache.decode_combine = "auto", "auto"
+    return got
+
+
 def measure(T: int, new: int, method: str, repeats: int) -> dict:
     """One rank's measurement (run on every rank of the pool, or alone)."""
     from transformers import DynamicCache
@@ -86,6 +113,7 @@ def measure(T: int, new: int, method: str, repeats: int) -> dict:
                         "combine": sorted({h["combine"] for h in cache.history if h["combine"]})}
             # the least disturbed repeat of each (the machine is shared): min prefill, min median step
             best["prefill_s"], best["decode_s"] = min(best["prefill_s"], prefill), min(best["decode_s"], decode)
+        best["choices"] = _choices(model, cache, ids, repeats)
         if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
             ref = _model(False, method)
             dyn = DynamicCache(config=ref.config)
@@ -113,6 +141,9 @@ def cpu_rows(T: int, new: int, method: str, repeats: int, sizes=(1, 2, 4)) -> li
                      "prefill_comm_bytes": per_rank[0]["comm"]["prefill_bytes"],
                      "decode_comm_bytes_per_token": per_rank[0]["comm"]["decode_bytes_per_token"],
                      "combine": per_rank[0]["combine"], "tokens": per_rank[0]["tokens"],
+                     "choices": {k: {f: max(r["choices"][k][f] for r in per_rank) if f in ("s", "ms") else
+                                     per_rank[0]["choices"][k][f] for f in per_rank[0]["choices"][k]}
+                                 for k in per_rank[0]["choices"]},
                      "single_device": per_rank[0].get("single_device")})
     return rows
 
@@ -165,6 +196,15 @@ def _markdown(doc: dict) -> str:
                      f"{worst / (single['kv_bytes'] / r['n']):.3f} | {r['prefill_comm_bytes']:,} | "
                      f"{r['decode_comm_bytes_per_token']:,.0f} | {','.join(r['combine'])} | "
                      f"{r['tokens'] == single['tokens']} |")
+    lines += ["", "Each choice forced on the filled cache (second turn of 64 tokens; 8 decode steps; slowest rank; "
+              "bytes sent per rank):", "",
+              "| N | K,V passing s | bytes | query passing s | bytes | all-gather ms/token | bytes | tree ms/token | bytes |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in cpu:
+        c = r["choices"]
+        lines.append(f"| {r['n']} | {c['pass_kv']['s']:.3f} | {c['pass_kv']['bytes']:,} | {c['pass_q']['s']:.3f} | "
+                     f"{c['pass_q']['bytes']:,} | {c['allgather']['ms']:.2f} | {c['allgather']['bytes_per_token']:,.0f} | "
+                     f"{c['tree']['ms']:.2f} | {c['tree']['bytes_per_token']:,.0f} |")
     lines += ["", "The CPU columns measure overheads, not speed-ups: the N ranks share the machine's cores with each "
               "other and with the load above, so each collective waits for ranks to be scheduled (milliseconds); "
               "per token every layer runs one combine. The bytes, the K,V per rank and the tokens are exact.", "",
