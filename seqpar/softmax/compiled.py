@@ -28,9 +28,14 @@ as harmless as a registry can be: *append-only* (a key, once given, always means
 *keyed by value* (the same call options always get the same key, so it grows with the number of
 distinct call sites and options, not with the number of calls or steps; a ``CommStats`` or
 ``Trace`` counts by identity, as it is the caller's recorder), holding no tensors, never read in
-eager mode, and written only at trace time. A graph saved and loaded in another process without
-being traced there again (Dynamo's precompile) would carry keys this process never issued: the op
-then raises instead of guessing.
+eager mode, and written only at trace time. ``heads`` (:func:`saved_heads`) is the other constant:
+the shapes of ``saved``, so that the fake implementation depends on the op's arguments alone.
+
+Caching: Inductor's and AOTAutograd's on-disk caches key a graph by its code, constants included,
+and Dynamo traces every graph in the process that runs it (registering its key there), so a cached
+graph is safe to reuse in another process or on another rank. Not supported: running a graph that
+this process did not trace (``torch.export``, Dynamo precompile): its keys may be unissued here (the
+op raises) or name another call.
 
 Backward rebuilds the call's configuration from the key and the saved tensors (the checks run
 again, host-side only, without the rank agreement, which the forward did); schedules are cached.
