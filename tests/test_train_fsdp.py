@@ -190,3 +190,51 @@ def test_bad_inputs_fail_before_any_rank_starts(folders, tmp_path):
         with pytest.raises(ValueError, match=message):
             train(base + list(map(str, extra)))
     assert main(base + ["--data", str(empty)]) == 2  # the command: one line, exit status 2
+
+
+# ----------------------------------------------------------------------------- --adaptive on FSDP2
+
+
+def _adaptive_with_an_empty_group():
+    """A plan whose groups hold 2, 0 and 0 sequences on 4 ranks, run by the trainer's AdaptiveRunner on
+    a model sharded over all 4 ranks; returns the loss and relative gradient errors against one process."""
+    import contextlib
+
+    import torch.distributed as dist
+    from test_parallelize import DOCS, T, _batches, _model, _reference
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seqpar.integrations.parallelize import parallelize
+    from seqpar.integrations.train.adaptive import AdaptiveRunner
+    from seqpar.integrations.train.build import Runtime
+    from seqpar.schedulers.plan import GroupPlan, Plan
+
+    rank = dist.get_rank()
+    batches = _batches(2)
+    ref_loss, ref_grads = _reference(_model(), batches)
+    runner = AdaptiveRunner(4, rank)
+    model = _model()
+    runner.register(model)
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "cp"))
+    runner.model = parallelize(model, mesh)
+    plan = Plan(4, (GroupPlan(0, 2, "zigzag_ring", (0, 1)), GroupPlan(2, 1, "ring", ()),
+                    GroupPlan(3, 1, "zigzag_ring", ())), 0.0)
+    rt = Runtime(4, rank, 4, rank, mesh, None, torch.device("cpu"))
+    loss, _ = runner.step(plan, [T, T], lambda i: (batches[i][0], list(DOCS)), rt,
+                          autocast=contextlib.nullcontext())
+    errors = {"loss": abs(loss - ref_loss) / ref_loss}
+    for name, p in model.named_parameters():
+        ref = ref_grads[name]
+        errors[name] = float((p.grad.full_tensor() - ref).abs().max() / ref.abs().max())
+    return errors
+
+
+def test_adaptive_group_without_sequences_keeps_fsdp_in_step():
+    """Ranks 2 and 3 hold no sequence this step: each runs one zero-weight 2-token pass, so every rank
+    enters the same FSDP2 all-gathers and reduce-scatters (no hang), and the gradients are the
+    one-process gradients of the 2 sequences (fp32 rounding, see test_parallelize)."""
+    from seqpar.testing import run_distributed
+
+    for errors in run_distributed(_adaptive_with_an_empty_group, 4, timeout=300):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= RTOL, f"{worst}: {errors[worst]:.2e}"

@@ -59,6 +59,7 @@ class AdaptiveRunner:
         self.groups = GroupCache()  # every aligned block, built once; collective over the world
         self.implementations: dict[tuple[int, int, str], str] = {}
         self.model = None
+        self.loss_chunk = None  # tokens per loss chunk (--loss-chunk; None = the default)
 
     def register(self, model) -> None:
         """One attention implementation per (block containing this rank, method), on the meta model."""
@@ -113,7 +114,7 @@ class AdaptiveRunner:
         shard, cu = self._inputs(work, sequence, rt.device)
         valid = 0.0 if work.empty else float(shard.num_valid)
         count = max(sum_over_ranks([valid], rt, "label count all-reduce")[0], 1.0)
-        token_loss_sum = token_loss(self.model, shard, autocast)
+        token_loss_sum = token_loss(self.model, shard, autocast, self.loss_chunk)
         weight = 0.0 if work.empty else 1.0 / count  # the empty group's pass only keeps FSDP2 in step
         (token_loss_sum * weight).backward()
         local = 0.0 if work.empty else float(token_loss_sum.detach())

@@ -60,6 +60,7 @@ class TrainConfig:
     crash_at_step: int | None = None
     export_hf: str | None = None
     compile: bool = False
+    loss_chunk: int | None = None  # tokens per loss chunk; None = 256 MiB of fp32 logits; 0 = unchunked
 
     @property
     def data_dir(self) -> str:
@@ -123,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--export-hf", metavar="DIR", help="at the end, write the trained model as a transformers folder "
       "(safetensors, config, tokenizer) gathered from the shards; DIR must not exist or be empty")
     a("--compile", action="store_true", help="torch.compile each decoder layer")
+    a("--loss-chunk", type=int, metavar="TOKENS", help="tokens per chunk of the loss (linear + cross entropy "
+      "chunk by chunk, exact; default: 256 MiB of fp32 logits per chunk; 0 = the model's full logits at once)")
     a("--crash-at-step", type=int, metavar="K", help=argparse.SUPPRESS)  # fault injection for tests
     return p
 
@@ -137,7 +140,7 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         save_every=ns.save_every, resume=ns.resume, nproc=ns.nproc, threads=ns.threads, plot=ns.plot,
         json=ns.json, log_every=ns.log_every, progress=not ns.no_progress, timeout=ns.timeout,
         crash_at_step=ns.crash_at_step, model=ns.model, trust_pickle=ns.trust_pickle, export_hf=ns.export_hf,
-        compile=ns.compile)
+        compile=ns.compile, loss_chunk=ns.loss_chunk)
 
 
 # ----------------------------------------------------------------------------- model config
@@ -234,6 +237,9 @@ def validate(cfg: TrainConfig, world: int):
         raise ValueError(f"--timeout: expected a positive number of seconds, got {cfg.timeout}")
     if cfg.save_every < 0 or (cfg.save_every and not cfg.save):
         raise ValueError("--save-every: needs --save DIR and a non-negative number of steps")
+    if cfg.loss_chunk is not None and cfg.loss_chunk < 0:
+        raise ValueError(f"--loss-chunk: expected tokens per chunk >= 1, or 0 for the unchunked loss; got "
+                         f"{cfg.loss_chunk}")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads: expected a positive integer, got {cfg.threads}")
     cp = cfg.context_parallel

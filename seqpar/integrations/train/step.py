@@ -18,22 +18,34 @@ from ..hf import IGNORE_INDEX, shard_inputs
 from .config import TrainConfig
 
 
-def token_loss(model, shard, autocast) -> torch.Tensor:
-    """Summed (fp32) next-token cross entropy of one sharded batch on this rank, in the graph."""
+def token_loss(model, shard, autocast, chunk_size: int | None = None) -> torch.Tensor:
+    """Summed (fp32) next-token cross entropy of one sharded batch on this rank, in the graph.
+
+    ``chunk_size``: tokens per chunk of the chunked loss (:func:`seqpar.integrations.loss.causal_lm_loss`:
+    never all local tokens' full-vocabulary logits at once; None = its default, 256 MiB of fp32
+    logits per chunk); 0 = the model's full logits and one cross entropy."""
+    kwargs = shard.model_kwargs()
+    if chunk_size == 0:
+        with autocast:
+            logits = model(**kwargs).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shard.labels.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    from ..loss import causal_lm_loss
+
+    input_ids = kwargs.pop("input_ids")
     with autocast:
-        logits = model(**shard.model_kwargs()).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shard.labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+        return causal_lm_loss(model, input_ids, shard.labels, chunk_size=chunk_size, ignore_index=IGNORE_INDEX,
+                              **kwargs)
 
 
-def forward_backward(model, shards, count: float, autocast) -> torch.Tensor:
+def forward_backward(model, shards, count: float, autocast, chunk_size: int | None = None) -> torch.Tensor:
     """Backward of this rank's token losses / the global count; returns their (detached) sum.
 
     FSDP2 sums each backward's gradients over all ranks (its divide factor is 1), so the gradients
     after the step are those of the global mean loss."""
     loss_sum = None
     for b in shards:
-        token_loss_sum = token_loss(model, b, autocast)
+        token_loss_sum = token_loss(model, b, autocast, chunk_size)
         (token_loss_sum / count).backward()
         part = token_loss_sum.detach().double()
         loss_sum = part if loss_sum is None else loss_sum + part
@@ -110,7 +122,7 @@ def static_step(cfg: TrainConfig, rt, data, model, batch: int, step: int, autoca
                                    group=rt.cp_group, method=cfg.cp_method))
     # the global number of labels normalises every rank's share (each label is on exactly one rank)
     count = max(sum_over_ranks([float(sum(b.num_valid for b in shards))], rt, "label count all-reduce")[0], 1.0)
-    loss_sum = forward_backward(model, shards, count, autocast)
+    loss_sum = forward_backward(model, shards, count, autocast, cfg.loss_chunk)
     maybe_crash(cfg, rt.rank, step)
     cp = rt.world // rt.dp  # the cp ranks of a group hold the same sequences
     total, squares = sum_over_ranks([float(loss_sum), squares / cp], rt, "loss all-reduce")

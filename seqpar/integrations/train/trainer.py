@@ -154,7 +154,7 @@ def _start(cfg: TrainConfig) -> _Run:
     runner = _adaptive_runner(cfg, rt, folder)
     model = build_model(cfg, rt, folder, before_shard=runner.register if runner is not None else None)
     if runner is not None:
-        runner.model = model
+        runner.model, runner.loss_chunk = model, cfg.loss_chunk
     else:
         rt = dataclasses.replace(rt, cp_group=model.seqpar_cp_group)
     params = [p for p in model.parameters() if p.requires_grad]
