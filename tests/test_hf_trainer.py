@@ -45,7 +45,7 @@ LR = 0.5
 # name -> (world, trainer options); "batch" is per_device_train_batch_size (sequences per cp group);
 # "slow" ones run only with SEQPAR_SLOW=1 (each launch runs its world's configurations in sequence)
 CONFIGS = {
-    "cp2_zigzag_ga2": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2)),
+    "cp2_zigzag_ga2": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, eval=True)),
     "cp2_ulysses": (2, dict(cp=2, method="ulysses", batch=4, ga=1, slow=True)),
     "cp2_right_padded": (2, dict(cp=2, method="ring", batch=3, ga=1, collator="pad")),
     "cp3_striped": (3, dict(cp=3, method="striped_ring", batch=3, ga=2)),
@@ -54,7 +54,7 @@ CONFIGS = {
                                       slow=True)),
     # DDP's average over the ranks left as it is (no factor W): half the gradient at cp 2
     "wrong_scale": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, wrong_scale=True)),
-    "cp2_dp2_ddp": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2)),
+    "cp2_dp2_ddp": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, eval=True)),
     # a streaming dataset: each group takes its slice of every dp x batch examples (accelerate's rule)
     "cp2_dp2_iterable": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, iterable=True)),
     "cp4_usp": (4, dict(cp=4, method="usp", options={"ulysses_degree": 2}, batch=4, ga=1)),
@@ -65,7 +65,7 @@ BAD = {
     "bad_left_padding": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=1, collator="left"), "not right-padded"),
     "bad_world": (2, dict(cp=3, method="zigzag_ring", batch=3, ga=1), "context_parallel_size: 3 does not divide"),
     "bad_method": (2, dict(cp=2, method="zeco", batch=3, ga=1), "cp_method='zeco'"),
-    "bad_eval": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=1, eval=True), "eval_strategy: evaluation under"),
+    "bad_eval": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=1, eval="metrics"), "compute_metrics:"),
     "bad_dispatch": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=1, iterable="dispatch"), "dispatch_batches"),
     "bad_one_group": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=1, collator="left_group0"), "refused"),
 }
@@ -140,7 +140,7 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
     extra = {}
     if opts.get("fsdp") and cp_trainer:  # the reference is one process: no sharding
         extra = dict(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
-    if opts.get("eval"):
+    if opts.get("eval") == "metrics":  # evaluated at every step, with metrics on the predictions
         extra.update(eval_strategy="steps", eval_steps=1)
     if opts.get("iterable") is True:  # dispatch_batches would send every rank a slice of one batch
         extra.update(accelerator_config={"dispatch_batches": False})
@@ -151,14 +151,15 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
         max_steps=STEPS, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
         warmup_steps=0, weight_decay=0.0, logging_steps=1, report_to=[], save_strategy="no", seed=7,
         use_cpu=True, disable_tqdm=True, remove_unused_columns=False, dataloader_drop_last=False,
-        include_num_input_tokens_seen="non_padding", **extra)
+        include_num_input_tokens_seen="non_padding", per_device_eval_batch_size=3, **extra)
     side = opts.get("collator", "flat")
     collator = FlattenCollator() if side == "flat" else PadCollator(tokenizer.pad_token_id, side)
     data = _documents(tokenizer)
     if opts.get("iterable"):
         data = Stream(data)
     kwargs = dict(model=model, args=args, train_dataset=data, data_collator=collator,
-                  processing_class=tokenizer, eval_dataset=_documents(tokenizer)[:5] if opts.get("eval") else None)
+                  processing_class=tokenizer, eval_dataset=_documents(tokenizer)[:11] if opts.get("eval") else None,
+                  compute_metrics=(lambda p: {}) if opts.get("eval") == "metrics" else None)
     if cp_trainer:
         from seqpar.integrations.hf_trainer import ContextParallelTrainer
 
@@ -181,6 +182,8 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
         assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     logged = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     logged.append(("tokens", trainer.state.num_input_tokens_seen))
+    if opts.get("eval") is True:  # 11 documents in batches of 3 (the groups take turns)
+        logged.append(("eval", trainer.evaluate()["eval_loss"]))
     return logged, trainer
 
 
@@ -267,9 +270,14 @@ def _compare(folder: Path, tmp: Path, out: Path, name: str, results: dict) -> tu
     start = AutoModelForCausalLM.from_pretrained(str(folder)).state_dict()
     saved = AutoModelForCausalLM.from_pretrained(str(out / name)).state_dict()  # save_model wrote the full model
     assert len(records) == world and all(r["losses"] == records[0]["losses"] for r in records)
-    losses, tokens = records[0]["losses"][:-1], records[0]["losses"][-1]
-    want_tokens = ref_losses.pop()[1]
-    assert tokens[1] == want_tokens, (name, tokens, want_tokens)  # num_input_tokens_seen: the global batches
+    extras = {tag: value for tag, value in records[0]["losses"] if isinstance(tag, str)}
+    want = {tag: value for tag, value in ref_losses if isinstance(tag, str)}
+    losses = [row for row in records[0]["losses"] if not isinstance(row[0], str)]
+    ref_losses = [row for row in ref_losses if not isinstance(row[0], str)]
+    assert extras["tokens"] == want["tokens"], (name, extras, want)  # num_input_tokens_seen: the global batches
+    if "eval" in want:  # evaluate(): the same batches' mean loss
+        print(f"{name}: eval_loss error {abs(extras['eval'] - want['eval']):.2e}")
+        assert abs(extras["eval"] - want["eval"]) <= LOSS_ATOL, (name, extras, want)
     assert len(losses) == len(ref_losses) == STEPS
     loss_err = max(abs(got[0] - want[0]) for got, want in zip(losses, ref_losses))
     # the logged gradient norm: of the summed gradients (DDP) or of the sharded ones (FSDP2)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..hf import IGNORE_INDEX, shift_labels
 
-__all__ = ["PACKED_KEYS", "agree_label_count", "count_labels", "pack_batch"]
+__all__ = ["PACKED_KEYS", "agree_eval_loss", "agree_label_count", "count_labels", "pack_batch"]
 
 #: the keys of a packed batch; ``cu_seqlens`` marks a batch already packed
 PACKED_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens")
@@ -148,3 +148,19 @@ def agree_label_count(count: int, error: str | None, *, world: int, cp: int, acr
         raise ValueError(f"inputs: {failed // cp} data-parallel group(s) refused their batch (their ranks raised "
                          "the reason); this rank stops with them")
     return total // cp if across_dp else count
+
+
+def agree_eval_loss(weighted: float, examples: int, error: str | None, *, world: int, cp: int, device) -> float:
+    """The evaluation loss ``sum(n_i * loss_i) / sum(n_i)`` (``n_i`` examples in batch ``i``) over
+    every data-parallel group's batches (each counted once: the ``cp`` ranks of a group hold the same
+    values), in one all-reduce that also carries refusals (every rank raises, as in
+    :func:`agree_label_count`)."""
+    both = torch.tensor([weighted, float(examples), 1.0 if error else 0.0], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(both)
+    if error:
+        raise ValueError(error)
+    if both[2] > 0:
+        raise ValueError(f"inputs: {int(both[2]) // cp} data-parallel group(s) refused an evaluation batch (their "
+                         "ranks raised the reason); this rank stops with them")
+    return float(both[0] / both[1].clamp(min=1))

@@ -27,6 +27,7 @@ data-parallel groups. What changes against the plain Trainer, and why the result
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ from ...methods import method as declared_method
 from ..hf import IGNORE_INDEX, context_parallel_loss, shard_inputs
 from ..hf.convert import _attention_options
 from ..parallelize import parallelize
-from .batches import agree_label_count, count_labels, pack_batch
+from .batches import agree_eval_loss, agree_label_count, count_labels, pack_batch
 
 __all__ = ["ContextParallelTrainer"]
 
@@ -76,8 +77,6 @@ def _check_training_arguments(args: TrainingArguments, cp: int) -> None:
         "label smoothing is not supported; set it to 0",
         "train_sampling_strategy": args.train_sampling_strategy == "batch_rebalance" and cp > 1 and
         "'batch_rebalance' deals batches per rank, not per context-parallel group; use 'random' or 'group_by_length'",
-        "eval_strategy": cp > 1 and str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" and
-        "evaluation under context parallelism is not supported yet; set eval_strategy='no'",
         "n_gpu": args.n_gpu > 1 and "one process drives several GPUs (DataParallel); launch one process per GPU",
     }
     for name, why in refusals.items():
@@ -100,11 +99,9 @@ def _take_fsdp(args: TrainingArguments):
     return options, args
 
 
-def _refuse_evaluation(cp: int, what: str) -> None:
-    if cp > 1:
-        raise ValueError(f"{what}: evaluation under context parallelism is not supported yet (each rank holds a shard "
-                         "of the logits); set eval_strategy='no', save_model() and evaluate the saved model with "
-                         "the plain Trainer, or use context_parallel_size=1")
+def _counted(collate, features):
+    """A collated batch with its number of examples (the plain Trainer weighs evaluation losses by it)."""
+    return len(features), collate(features)
 
 
 class _Sharded(torch.nn.Module):
@@ -137,7 +134,8 @@ class ContextParallelTrainer(Trainer):
     larger (the global token mean); DDP (the default) and FSDP2 (``fsdp=True``,
     ``fsdp_config={"version": 2}``; ``bf16=True`` is its mixed precision) both work, with gradient
     accumulation and ``torch_compile=True``; ``save_model`` writes the full model.
-    ``evaluate``/``predict`` with ``context_parallel_size > 1`` raise (not supported yet).
+    ``evaluate()`` gives the loss (as the plain Trainer weighs it); ``predict()`` and
+    ``compute_metrics`` need gathered logits and are refused when ``context_parallel_size > 1``.
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *rest, context_parallel_size: int = 1,
@@ -305,13 +303,53 @@ class ContextParallelTrainer(Trainer):
                 loss = share + (loss - share).detach()
         return (loss, outputs) if return_outputs else loss
 
-    def evaluate(self, *args, **kwargs):
-        _refuse_evaluation(self.context_parallel_size, "evaluate")
-        return super().evaluate(*args, **kwargs)
-
     def predict(self, *args, **kwargs):
-        _refuse_evaluation(self.context_parallel_size, "predict")
+        if self.context_parallel_size > 1:
+            raise ValueError("predict: under context parallelism each rank holds a shard of the logits, so "
+                             "predictions are not gathered; use evaluate() for the loss, or context_parallel_size=1")
         return super().predict(*args, **kwargs)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """``evaluate()`` under context parallelism: the loss only, as the plain Trainer weighs it.
+
+        Batch ``i`` of the eval set (``per_device_eval_batch_size``, in order) goes to data-parallel
+        group ``i mod dp``; its loss is the group's token mean (:func:`context_parallel_loss`), and
+        ``eval_loss = sum(n_i * loss_i) / sum(n_i)`` over the whole set, ``n_i`` the batch's examples
+        (one all-reduce): the plain Trainer's weighting. Metrics on predictions are refused (each
+        rank holds a shard of the logits)."""
+        if self.context_parallel_size == 1:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
+        from torch.utils.data import DataLoader
+        from transformers.trainer_utils import EvalLoopOutput
+
+        if self.compute_metrics is not None:
+            raise ValueError("compute_metrics: under context parallelism each rank holds a shard of the logits; "
+                             "evaluate the loss only (no compute_metrics), or use context_parallel_size=1")
+        dataset = getattr(dataloader.dataset, "dataset", dataloader.dataset)  # accelerate's IterableDatasetShard
+        plain = DataLoader(dataset, batch_size=self.args.eval_batch_size, drop_last=self.args.dataloader_drop_last,
+                           collate_fn=functools.partial(_counted, dataloader.collate_fn))
+        dp, dp_rank = self.data_parallel_size, self.args.process_index // self.context_parallel_size
+        weighted, rows, error, samples = 0.0, 0, None, 0
+        self.model.eval()
+        with torch.no_grad():
+            for i, (n, batch) in enumerate(plain):
+                samples += n
+                if i % dp != dp_rank:
+                    continue
+                try:
+                    packed = self._prepare_inputs(pack_batch(batch))
+                except ValueError as exc:
+                    error = error or str(exc)
+                    continue
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(self.model, packed)
+                weighted, rows = weighted + float(loss) * n, rows + n
+        total = agree_eval_loss(weighted, rows, error, world=self.args.world_size, cp=self.context_parallel_size,
+                                device=self.args.device)
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics={f"{metric_key_prefix}_loss": total},
+                              num_samples=samples)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation (``context_parallel_size=1``): the batch is packed on every rank first, and a
