@@ -222,8 +222,23 @@ def _shard_mesh_unshard():
     return True
 
 
+def _dynamic_lengths():
+    """Three sequence lengths through one compiled call (Dynamo recompiles once with a symbolic
+    length): each equals eager, forward and dq (Ulysses, 3 heads: uneven head shards)."""
+    torch._dynamo.reset()
+    fn = lambda q, k, v: seqpar.attention(q, k, v, causal=True, method="ulysses")  # noqa: E731
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    for t in (12, 24, 36):
+        gen = torch.Generator().manual_seed(t)
+        q, k, v = (seqpar.shard(torch.randn(1, t, 3, D, generator=gen), method="ulysses") for _ in range(3))
+        (y, (gq,)), (y_ref, (gq_ref,)) = ((lambda out: (out, torch.autograd.grad(out.sum(), [q])))(
+            f(q.requires_grad_(), k, v)) for f in (compiled, fn))
+        assert torch.equal(y, y_ref) and torch.equal(gq, gq_ref), f"T={t}"
+    return True
+
+
 def _after_cases():
-    return _recorders() and _linear_between_graphs() and _shard_mesh_unshard()
+    return _recorders() and _linear_between_graphs() and _shard_mesh_unshard() and _dynamic_lengths()
 
 
 def _cases(cases, backend, fullgraph):
@@ -324,7 +339,8 @@ OPTIONS = [("zigzag_ring", False, 5, False), ("ulysses", True, 4, False), ("ring
 def test_every_method_aot_eager(n, cases):
     """Every method, dense at N = 2 and packed at N = 3, a window and sinks: fullgraph=True; then
     (same processes, N = 2) stats, trace and seqpar.checkpoint around a compiled block, the rank
-    agreement, linear attention and unshard between two graphs, shard and a DeviceMesh group."""
+    agreement, linear attention and unshard between two graphs, shard, a DeviceMesh group, and
+    sequence lengths that change between calls."""
     _check(_fresh(n, cases, "aot_eager", True, timeout=600, then=_after_cases if n == 2 else None))
 
 
