@@ -1,10 +1,11 @@
 """Measured peak memory of one training step against ``seqpar memory``'s prediction (CPU, gloo ranks).
 
-Each configuration trains a small transformers Llama for two steps on ``world`` local gloo ranks:
-context-parallel attention over the ``cp`` axis (``apply_context_parallel``), activation
-checkpointing as ``seqpar train --checkpointing``, FSDP2 ``fully_shard`` on every decoder layer
-and the root over all ``dp x cp`` ranks (``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``
-for bfloat16), AdamW. The second step is measured (the first creates AdamW's state):
+Each configuration trains a small transformers Llama for two steps on ``world`` local gloo ranks,
+set up by :func:`seqpar.integrations.parallelize.parallelize`: context-parallel attention over the
+``cp`` axis, activation checkpointing as ``seqpar train --checkpointing``, FSDP2 ``fully_shard`` on
+every decoder layer and the root over all ``dp x cp`` ranks (``MixedPrecisionPolicy(param_dtype,
+reduce_dtype=float32)`` for bfloat16); the full-logits or the chunked loss; AdamW. The second step
+is measured (the first creates AdamW's state):
 
 - **static**: the bytes of the tensors a rank holds between steps, read from the tensors
   themselves: its parameter shards (fp32) and AdamW's ``exp_avg``, ``exp_avg_sq`` (and ``step``).
@@ -51,6 +52,7 @@ CASES = (
     (2, 2, "zigzag_ring", "attention", "bfloat16", 8192, 1024),
     (2, 2, "token_ring", "none", "float32", 8192, 1024),
     (4, 4, "usp:2", "none", "float32", 8192, 1024),
+    (2, 2, "zigzag_ring", "layer", "bfloat16", 8192, 1024),
 )
 QUICK = ({"hidden_size": 256, "intermediate_size": 640, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 16384},
@@ -200,10 +202,10 @@ def _pct(x: float) -> str:
     return f"{100 * x:+.1f}%"
 
 
-def write_results(rows: list[dict], config: dict, command: str, out_dir: str) -> None:
-    """benchmarks/results/memory_validation.{json,md}."""
-    meta = {"command": command, "model": config, **_machine(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+def write_results(rows: list[dict], config: dict, command: str, out_dir: str, meta: dict | None = None) -> None:
+    """benchmarks/results/memory_validation.{json,md} (``meta``: the run's, when rewriting)."""
+    meta = meta or {"command": command, "model": config, **_machine(),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "memory_validation.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
@@ -211,15 +213,22 @@ def write_results(rows: list[dict], config: dict, command: str, out_dir: str) ->
     lines = [
         "# seqpar memory against measured peaks (CPU, gloo ranks)", "",
         f"Command: `{command}` ({meta['date']}; {meta['platform']}, {meta['cpus']} CPUs, Python "
-        f"{meta['python']}, torch {meta['torch']}, transformers {meta['transformers']}).", "",
+        f"{meta['python']}, torch {meta['torch']}, transformers {meta['transformers']})"
+        + "".join(f", then `{c}`" for c in meta.get("then", [])) + ".", "",
         f"Model: a transformers Llama, {json.dumps(config)}, untied head. One training step (the second: AdamW's "
         "state exists) set up by `seqpar.integrations.parallelize` (context-parallel attention over cp, "
-        "checkpointing, FSDP2 over dp x cp, MixedPrecisionPolicy for bfloat16), loss `context_parallel_loss` over "
-        "the full logits (the plan's `--loss-chunk 0`), AdamW. Measured: the tensors a rank holds between steps "
+        "checkpointing, FSDP2 over dp x cp, MixedPrecisionPolicy for bfloat16), the loss either "
+        "`context_parallel_loss` over the full logits (kept by the caller until backward ends) or "
+        "`seqpar.integrations.loss.causal_lm_loss` in chunks, AdamW. Measured: the tensors a rank holds between steps "
         "(parameter shards, AdamW state), plus the peak of live bytes of torch's CPU allocator during the step "
         "(torch.profiler `profile_memory=True`: every allocation and free, summed in time order) - the busiest "
         "rank. It excludes the Python interpreter, gloo's own buffers and glibc arenas, which the plan does not "
-        "count either. Predicted: `seqpar memory ... --device cpu --loss-chunk 0`.", "",
+        "count either. The profiler rather than a TorchDispatchMode storage tracker: it sees every allocation of "
+        "the CPU allocator, also those made inside kernels and collectives that never surface as a Python-visible "
+        "tensor (the attention kernel's scratch, FSDP2's all-gather and reduce-scatter buffers), and its running "
+        "sum is exact per event, unlike the process' RSS, which glibc's arenas and what they keep mapped blur. "
+        "Predicted: `seqpar memory` with `--device cpu` (no forward prefetch, reduce-scatters finished before the "
+        "next layer, AdamW one parameter at a time) and the run's `--loss-chunk` (0 = full logits).", "",
         "| world | cp | dp | method | checkpointing | dtype | tokens | loss | measured MiB | measured at "
         "| predicted MiB | predicted at | error |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -229,16 +238,56 @@ def write_results(rows: list[dict], config: dict, command: str, out_dir: str) ->
                      f"| {r['measured'] / mib:.1f} | {r['measured_phase']} | {r['predicted'] / mib:.1f} "
                      f"| {r['predicted_phase']} | {_pct(r['error'])} |")
     worst = max(abs(r["error"]) for r in rows)
-    lines += ["", f"Largest error: {100 * worst:.1f}% (target: within 10%)."]
+    lines += ["", f"Largest error: {100 * worst:.1f}% (target: within 10%).", "",
+              "Where the plan is short: bfloat16 with a checkpointed layer and the chunked loss (rows 6 and 9). "
+              "There the measured peak also varies from run to run: the last row's configuration measured "
+              "146.4, 152.7 and 155.9 MB in three runs (-2.6% to -8.5% against the plan; the largest is "
+              "still within 10%). The allocator timeline of its backward (autograd node by "
+              "node) puts the peak inside the recomputed layer's MLP, in the backward of `SiLU(gate) * up`: "
+              "31 MiB over the node's start at 4096 tokens a rank, where the plan's MLP transient (the gradients "
+              "of the product's two inputs, e·I each, and the residual gradient) is 19 MiB. The plan does not "
+              "model that excess, and whether a GPU shows it is not measured here (no GPU in this run). "
+              "Rows are regenerated with `python benchmarks/memory_validate.py --rewrite` when the "
+              "plan changes (predictions only) and `--only I,J` to measure cases again."]
     with open(os.path.join(out_dir, "memory_validation.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _repredict(row: dict) -> dict:
+    """``row`` with the current plan's prediction (the measurement stays)."""
+    case = (row["world"], row["cp"], row["method"], row["checkpointing"], row["dtype"], row["seq"], row["loss_chunk"])
+    p = predict(MODEL, *case)
+    return {**row, "predicted": p.peak, "predicted_phase": p.peak_phase, "predicted_components": p.components(),
+            "error": p.peak / row["measured"] - 1}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one small configuration")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--only", default=None, help="comma-separated indices into CASES: measure these again and "
+                    "replace their rows in --out's JSON")
+    ap.add_argument("--rewrite", action="store_true", help="predict again for the measured rows in --out's JSON "
+                    "(the plan changed, the measurements did not) and rewrite the table")
     args = ap.parse_args(argv)
+    path = os.path.join(args.out, "memory_validation.json")
+    if args.rewrite or args.only:
+        with open(path) as f:
+            saved = json.load(f)
+        rows = [_repredict(r) for r in saved["rows"]]
+        for i in ([int(x) for x in args.only.split(",")] if args.only else []):
+            row = validate(MODEL, CASES[i])
+            key = lambda r: (r["world"], r["cp"], r["method"], r["checkpointing"], r["dtype"], r["seq"],  # noqa: E731
+                             r["loss_chunk"])
+            rows = [r for r in rows if key(r) != key(row)] + [row]
+        order = {c: i for i, c in enumerate(CASES)}
+        rows.sort(key=lambda r: order.get((r["world"], r["cp"], r["method"], r["checkpointing"], r["dtype"],
+                                           r["seq"], r["loss_chunk"]), len(order)))
+        meta = saved["meta"]
+        meta["then"] = meta.get("then", []) + ["python benchmarks/memory_validate.py " + " ".join(
+            sys.argv[1:] if argv is None else argv)]
+        write_results(rows, MODEL, meta["command"], args.out, meta)
+        return 0 if all(abs(r["error"]) < 0.10 for r in rows) else 1
     config, cases = (QUICK[0], QUICK[1:]) if args.quick else (MODEL, CASES)
     rows = []
     for case in cases:

@@ -61,6 +61,10 @@ def test_moments_by_hand():
     assert sum(moments["loss forward"].values()) == 8112 + 672 + 5104 + 320
     # loss backward: the loss gradient and log-softmax's gradient add 8 x 10 per token
     assert moments["loss backward"]["loss"] == 4 * (40 + 40 + 80)
+    # the final norm's backward: its incoming gradient and that of its normalised input (4 x 8 each) and two
+    # fp32 temporaries (4 x 8 each) a token, every layer's activations still held
+    assert moments["final norm backward"]["layer"] == 4 * (32 + 32 + 64)
+    assert moments["final norm backward"]["activations"] == moments["loss forward"]["activations"]
     # the ring's forward buffers: K,V of two steps 2 x 2 x 16, fp32 out + lse accumulators and a block's 4 x 10 x 2
     assert attention_buffers(TINY, _setup())["forward"] == 64 + 40 + 40
     # allgather_kv holds every rank's K,V: cp 2 x 2 x 16 bytes a token

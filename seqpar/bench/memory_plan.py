@@ -11,8 +11,9 @@ fp32 master weights: FSDP2 keeps the sharded parameter in fp32 and all-gathers a
 ``4·P/S`` and AdamW's fp32 ``exp_avg`` and ``exp_avg_sq`` ``8·P/S``. The fp32 gradient shards
 ``4·P/S`` grow during backward and are freed by ``zero_grad(set_to_none=True)``.
 
-The step is walked as a sequence of moments (:func:`moments`), each the sum of what is live then;
-the peak is the largest. Per local token (T = micro_batch·seq/cp tokens on a rank; e bytes per
+The step is walked as a sequence of moments (:func:`moments`: the last layer's forward, the loss's
+forward and backward, the final norm's backward, each layer's MLP and attention backward (and its
+recomputation), the optimizer step), each the sum of what is live then; the peak is the largest. Per local token (T = micro_batch·seq/cp tokens on a rank; e bytes per
 element of the compute dtype; h hidden size, h_q = Hq·D, h_kv = Hkv·D, I the MLP width, V the
 vocabulary), what a Llama decoder layer saves for backward (transformers' LlamaDecoderLayer):
 
@@ -345,10 +346,10 @@ def moments(m: ModelShape, s: Setup) -> tuple[tuple[str, dict], ...]:
     norm = saved["norms"] // 2
     glob = 2 * m.head_dim * e + 24  # rotary cos and sin, input ids, positions, labels
     root, lay = e * m.root_params, e * m.layer_params
+    head_grad = e * m.vocab * h  # the head's unsharded gradient, from the loss's backward to the end
     g_shard = 4 * -(-m.layer_params // s.world)
     fwd_layers = 2 if s.device == "cuda" else 1  # CUDA: the next layer's all-gather runs ahead
     rs = 4 * m.layer_params  # the fp32 reduce-scatter input the layer's gradients are copied (and cast) into
-    head_grad = e * m.vocab * h
     out = []
     if s.checkpointing == "none":
         working = full
@@ -359,6 +360,12 @@ def moments(m: ModelShape, s: Setup) -> tuple[tuple[str, dict], ...]:
     acts = T * (L * kept + glob + norm)
     out.append(("loss forward", {**static, "fsdp": root, "activations": acts, "loss": loss["forward"]}))
     out.append(("loss backward", {**static, "fsdp": root, "activations": acts, "loss": loss["backward"]}))
+    # the final norm's backward: every layer's activations, its incoming gradient e·h and RMSNorm's
+    # backward temporaries: the gradient of its normalised input e·h, that in fp32 (bf16/fp16), the
+    # input's gradient through the scale and the product the rsqrt's gradient sums, 4h each
+    norm_bwd = e * h + e * h + (4 * h if e != 4 else 0) + 8 * h
+    out.append(("final norm backward", {**static, "fsdp": root + head_grad, "activations": acts,
+                                        "layer": T * norm_bwd, "loss": loss["kept"]}))
     # CUDA: the previous layer's reduce-scatter input is held until its stream finishes (FSDP2 waits on it
     # at the next layer's end); on CPU (gloo) the reduce-scatter has finished before the next layer starts
     in_flight = rs if s.device == "cuda" else 0
