@@ -1,5 +1,5 @@
-"""``seqpar train``: the same losses at every context-parallel degree, resumable across degrees,
-atomic checkpoints, clear errors.
+"""``seqpar train``: the same losses at every context-parallel degree (FSDP2 over all ranks), resumable
+across degrees, atomic checkpoints, clear errors.
 
 A tiny Llama with GQA (2 layers, 4 query / 2 KV heads) on the default data (the Python standard
 library's sources), 128 tokens per step, run through the trainer's Python entry (``train(argv)``);
@@ -48,7 +48,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     cp1 = train(_args(tmp, "--context-parallel", 1))
     cp4 = train(_args(tmp, "--nproc", 4, "--context-parallel", 4, "--save", tmp / "ckpt", "--save-every", 3,
-                      "--json", tmp / "log.jsonl"))
+                      "--json", tmp / "log.jsonl", "--loss-chunk", 7))  # chunks of 7 of 32 local tokens
     return tmp, cp1, cp4
 
 
@@ -120,6 +120,8 @@ def test_crash_then_resume_equals_uninterrupted(tmp_path):
 
 
 def test_adaptive_plans_and_matches_single_rank(runs):
+    """One sequence a step on 4 ranks (a group without a sequence runs a zero-weight pass so that
+    FSDP2's collectives stay matched: tests/test_train_fsdp.py forces that case)."""
     tmp, cp1, _ = runs
     adaptive = train(_args(tmp, "--nproc", 4, "--adaptive", "--batch-size", 1))
     _close(adaptive.losses, cp1.losses, range(1, 6))
@@ -222,5 +224,21 @@ def test_checkpoint_from_a_different_model(runs, tmp_path):
 def test_attention_checkpointing_matches_uncheckpointed(runs, tmp_path):
     """--checkpointing attention (rematerialisation-aware) trains exactly like no checkpointing."""
     _, cp1, _ = runs
-    res = train(_args(tmp_path, "--nproc", 2, "--context-parallel", 2, "--checkpointing", "attention"))
+    res = train(_args(tmp_path, "--nproc", 2, "--context-parallel", 2, "--checkpointing", "attention",
+                      "--loss-chunk", 0))  # and the unchunked loss (full logits)
+    _close(res.losses, cp1.losses, range(1, 6))
+
+
+def test_compile_matches_eager(runs, tmp_path):
+    """--compile (each decoder layer through torch.compile, inductor; seqpar.attention one opaque
+    op in the graph) trains like eager: steps 2-5 check the earlier steps' gradients."""
+    _, cp1, _ = runs
+    res = train(_args(tmp_path, "--compile"))
+    _close(res.losses, cp1.losses, range(1, 6))
+
+
+@pytest.mark.slow
+def test_compile_context_parallel_matches_eager(runs, tmp_path):
+    _, cp1, _ = runs
+    res = train(_args(tmp_path, "--compile", "--nproc", 2, "--context-parallel", 2))
     _close(res.losses, cp1.losses, range(1, 6))
