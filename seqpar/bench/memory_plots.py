@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .memory_plan import CHECKPOINTING, ModelShape, Setup, plan
-from .memory_search import _divisors, human_tokens, seq_unit
+from .memory_search import divisors, human_tokens, seq_unit
 
 COMPONENTS = ("parameters", "optimizer", "gradients", "fsdp", "activations", "layer", "attention", "loss")
 
@@ -29,7 +29,7 @@ def _bars(ax, model: ModelShape, setup: Setup, limit: int | None) -> None:
 
 def _lines(ax, model: ModelShape, setup: Setup, limit: int | None) -> None:
     gib = 2**30
-    for cp in _divisors(setup.world):
+    for cp in divisors(setup.world):
         try:
             base = replace(setup, cp=cp, seq=seq_unit(replace(setup, cp=cp)))
         except ValueError:

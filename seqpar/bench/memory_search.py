@@ -9,7 +9,6 @@ buffers, the allocator's fragmentation and kernels' workspaces.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import replace
 
@@ -104,7 +103,8 @@ def longest_fit(model: ModelShape, setup: Setup, limit: int, max_seq: int = 2**3
     return lo * unit
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The cp degrees a world of ``n`` ranks allows."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -114,7 +114,7 @@ def candidates(model: ModelShape, seq: int, world: int, base: Setup, methods=Non
     recomputation (none, attention, layer), then the methods' own preference (``Method.preference``)."""
     methods = [m for m in BY_PREFERENCE if m in (methods or METHODS)]
     out = []
-    for cp in (cps or _divisors(world)):
+    for cp in (cps or divisors(world)):
         for ck in CHECKPOINTING[:1] + ("attention", "layer"):
             for name in methods:
                 try:
@@ -156,7 +156,3 @@ def human_tokens(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"
     return f"{n:,}"
-
-
-def log2_floor(n: int) -> int:
-    return int(math.log2(n)) if n > 0 else 0
