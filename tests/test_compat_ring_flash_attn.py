@@ -402,8 +402,9 @@ def _packed_batch(n):
 
 
 def _hf_adapter(kind):
-    """Logits and every summed parameter gradient of the drop-in path against the single-process
-    model (sdpa, documents masked apart by the position ids); then use_ring_attn(False) goes back."""
+    """Logits and every summed parameter gradient of the drop-in path, called as axolotl calls it,
+    against the single-process model (sdpa, documents masked apart by the position ids); DATA_PARAMS
+    as the original fills it; then use_ring_attn(False) goes back."""
     import copy
 
     import torch.distributed as dist
@@ -422,23 +423,29 @@ def _hf_adapter(kind):
     model = copy.deepcopy(ref)
     model.zero_grad(set_to_none=True)
     model.config._attn_implementation = "flash_attention_2"
-    before = ALL_ATTENTION_FUNCTIONS.get("flash_attention_2")
+    before, errs = ALL_ATTENTION_FUNCTIONS.get("flash_attention_2"), {}
     ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = sdpa_attention_forward  # what use_ring_attn(False) returns to
     try:
-        rfa.substitute_hf_flash_attn(dist.group.WORLD, heads_k_stride=1)
+        # as axolotl calls it: the original's module path, keyword arguments
+        rfa.adapters.hf_adapter.substitute_hf_flash_attn(process_group=dist.group.WORLD, heads_k_stride=1)
         rfa.update_ring_flash_attn_params(torch.tensor(cu, dtype=torch.int32), dist.group.WORLD)
+        params = rfa.adapters.hf_adapter.DATA_PARAMS  # this rank's llama3 arguments, as the original keeps them
+        want = rfa.llama3_flash_attn_prepare_cu_seqlens(torch.tensor(cu, dtype=torch.int32), True, rank, n)
+        got = [params[k] for k in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "local_k_slice")]
+        errs["DATA_PARAMS"] = 0.0 if all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                                         for a, b in zip(got, want)) else float("inf")
         t = ids.shape[1] // n
         mine = slice(rank * t, (rank + 1) * t)
         logits = model(input_ids=ids[:, mine], position_ids=pos[:, mine], use_cache=False).logits
         (F_ce(logits[0], labels[0, mine], reduction="sum", ignore_index=-100) / count).backward()
         gathered = [torch.empty_like(logits) for _ in range(n)]
         dist.all_gather(gathered, logits.detach().contiguous())
-        errs = {"logits": rel_err(torch.cat(gathered, dim=1), logits_ref.detach())}
+        errs["logits"] = rel_err(torch.cat(gathered, dim=1), logits_ref.detach())
         for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
             grad = p.grad.clone()
             dist.all_reduce(grad)  # every rank holds its tokens' share of the gradient
             errs[name] = rel_err(grad, p_ref.grad)
-        rfa.use_ring_attn(False)  # back to the replaced function (sdpa here): causal over the local piece alone
+        rfa.adapters.hf_adapter.use_ring_attn(False)  # back to the replaced function (sdpa here): causal over the local piece alone
         with torch.no_grad():  # (Llama: without a mask, transformers' sdpa function knows no sliding window)
             local_only = model(input_ids=ids[:, mine], position_ids=pos[:, mine], use_cache=False).logits
             # the same with the sdpa model (a mask of ones: no document separation from the position ids)

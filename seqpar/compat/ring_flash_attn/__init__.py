@@ -14,8 +14,8 @@ and GPU (NCCL), needs no flash-attn build, never expands GQA's K,V heads:
   ``cu_seqlens`` = global // N;
 - the packed stream cut into N contiguous pieces (:mod:`.llama3`):
   ``llama3_flash_attn_prepare_cu_seqlens``, ``llama3_flash_attn_varlen_func`` (+ packed forms);
-- the HF adapter (:mod:`.hf_adapter`): ``substitute_hf_flash_attn``,
-  ``update_ring_flash_attn_params``, ``use_ring_attn``.
+- the HF adapter (:mod:`.adapters.hf_adapter`, the original's module path): ``substitute_hf_flash_attn``,
+  ``update_ring_flash_attn_params``, ``use_ring_attn``, ``DATA_PARAMS``.
 
 ``return_attn_probs=True`` returns ``(out, lse, None)`` like the original (lse fp32, ``[B, H, T_local]``
 dense, ``[H, T_local]`` varlen; it costs one more attention forward). Where seqpar differs:
@@ -32,14 +32,15 @@ from .dense import (ring_flash_attn_func, ring_flash_attn_kvpacked_func, ring_fl
                     stripe_flash_attn_func, stripe_flash_attn_kvpacked_func, stripe_flash_attn_qkvpacked_func,
                     zigzag_ring_flash_attn_func, zigzag_ring_flash_attn_kvpacked_func,
                     zigzag_ring_flash_attn_qkvpacked_func)
-from .hf_adapter import substitute_hf_flash_attn, update_ring_flash_attn_params, use_ring_attn
+from . import adapters
+from .adapters.hf_adapter import substitute_hf_flash_attn, update_ring_flash_attn_params, use_ring_attn
 from .llama3 import (llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func,
                      llama3_flash_attn_varlen_kvpacked_func, llama3_flash_attn_varlen_qkvpacked_func)
 from .varlen import (ring_flash_attn_varlen_func, ring_flash_attn_varlen_kvpacked_func,
                      ring_flash_attn_varlen_qkvpacked_func, zigzag_ring_flash_attn_varlen_func,
                      zigzag_ring_flash_attn_varlen_kvpacked_func, zigzag_ring_flash_attn_varlen_qkvpacked_func)
 
-__all__ = ["llama3_flash_attn_prepare_cu_seqlens", "llama3_flash_attn_varlen_func",
+__all__ = ["adapters", "llama3_flash_attn_prepare_cu_seqlens", "llama3_flash_attn_varlen_func",
            "llama3_flash_attn_varlen_kvpacked_func", "llama3_flash_attn_varlen_qkvpacked_func",
            "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
            "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_kvpacked_func",

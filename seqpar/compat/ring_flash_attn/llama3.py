@@ -12,7 +12,7 @@ The original all-gathers every rank's K,V (``heads_k_stride`` heads at a time) a
 (:mod:`seqpar.softmax.stream`); ``heads_k_stride`` is checked (it must divide Hkv) and otherwise
 not needed. Because the other ranks' documents are not among a rank's arguments, each call first
 all-gathers every rank's document boundaries (a few integers per document); the HF adapter
-(:mod:`.hf_adapter`) gets the global offsets once per batch and skips that.
+(:mod:`.adapters.hf_adapter`) gets the global offsets once per batch and skips that.
 
 Shapes: q ``[T_local, Hq, D]``, k, v ``[T_local, Hkv, D]``; out ``[T_local, Hq, D]``; with
 ``return_attn_probs=True`` ``(out, lse, None)``, lse ``[Hq, T_local]`` fp32.

@@ -15,8 +15,15 @@ function that calls ``seqpar.attention(..., method="ring", cu_seqlens=<stream la
 sliding window (``sliding_window``) is honoured; attention dropout, logit softcapping, attention
 sinks and padding masks raise ``ValueError``.
 
+It lives at the original's module path, ``ring_flash_attn.adapters.hf_adapter`` (axolotl calls
+``ring_flash_attn.adapters.hf_adapter.substitute_hf_flash_attn(process_group=..., heads_k_stride=...)``
+and reads ``DATA_PARAMS``); the three functions are also re-exported by the package.
+
 This module holds the peer's global state, as the original does (the substituted group, the
-current batch's layout, the on/off switch): it is the only place in seqpar that does.
+current batch's layout, the on/off switch, and ``DATA_PARAMS``: this rank's
+:func:`llama3_flash_attn_prepare_cu_seqlens` result for the current batch, under the original's
+keys, for code that calls ``llama3_flash_attn_varlen_func`` with them): it is the only place in
+seqpar that does.
 """
 
 from __future__ import annotations
@@ -27,12 +34,15 @@ from seqpar.comm import group_info
 from seqpar.layouts import check_cu_seqlens
 from seqpar.softmax import attention
 
-from ._core import checked, option_fields
-from .llama3 import cached_stream_layout
+from .._core import checked, option_fields
+from ..llama3 import cached_stream_layout, llama3_flash_attn_prepare_cu_seqlens
 
 _NAME = "flash_attention_2"
 # The peer's forced global state: set by the three public functions below, read by the attention.
 _STATE: dict = {"group": None, "heads_k_stride": None, "layout": None, "enabled": True, "previous": None}
+# The original's public dict of this rank's llama3 arguments for the current batch (keys: cu_seqlens_q,
+# cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice), refreshed by update_ring_flash_attn_params.
+DATA_PARAMS: dict = {}
 
 
 def substitute_hf_flash_attn(process_group, heads_k_stride: int):
@@ -57,9 +67,14 @@ def update_ring_flash_attn_params(cu_seqlens: torch.Tensor, process_group):
     """The global offsets of the packed stream of the next forward (every rank passes the same).
 
     The stream of ``cu_seqlens[-1]`` tokens is cut into N contiguous pieces, rank r feeding tokens
-    ``[r·T/N, (r+1)·T/N)``; ValueError when N does not divide it. Local: no communication."""
-    n = group_info(process_group).size
-    _STATE["layout"] = cached_stream_layout(check_cu_seqlens(cu_seqlens, None), n)
+    ``[r·T/N, (r+1)·T/N)``; ValueError when N does not divide it. Also refreshes
+    :data:`DATA_PARAMS` with this rank's causal :func:`llama3_flash_attn_prepare_cu_seqlens` result,
+    as the original does. Local: no communication."""
+    info = group_info(process_group)
+    layout = cached_stream_layout(check_cu_seqlens(cu_seqlens, None), info.size)
+    names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "local_k_slice")
+    DATA_PARAMS.update(zip(names, llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, True, info.rank, info.size)))
+    _STATE["layout"] = layout
 
 
 def use_ring_attn(flag: bool):
@@ -120,5 +135,5 @@ def ring_flash_attention_forward(module, query, key, value, attention_mask, drop
     return out, None
 
 
-__all__ = ["ring_flash_attention_forward", "substitute_hf_flash_attn", "update_ring_flash_attn_params",
+__all__ = ["DATA_PARAMS", "ring_flash_attention_forward", "substitute_hf_flash_attn", "update_ring_flash_attn_params",
            "use_ring_attn"]
