@@ -125,11 +125,18 @@ def test_resume_sharded_checkpoint_at_cp3(folders, runs):
     _resume(folders, runs, "resume3", "--nproc", 3, "--context-parallel", 3)
 
 
-def test_usp_trains_like_one_rank(folders, runs):
-    """--cp-method usp on cp 2 x dp 2 (its Ulysses and ring subgroups built once per cp group)."""
+def test_usp_with_hsdp_trains_like_one_rank(folders, runs):
+    """--cp-method usp on cp 2 x dp 2 (its Ulysses and ring subgroups built once per cp group), with
+    --replicas 2 (HSDP: parameters sharded over the 2 ranks of a cp group, replicated across the 2
+    dp groups, gradients all-reduced across them): the one-process losses and gradient norms; each
+    rank stores half of the parameters."""
     one, _ = runs
-    usp = train(_args(folders, "usp", "--nproc", 4, "--context-parallel", 2, "--cp-method", "usp"))
+    usp = train(_args(folders, "usp", "--nproc", 4, "--context-parallel", 2, "--cp-method", "usp",
+                      "--replicas", 2))
     _close(usp.losses, one.losses, "loss")
+    _close(_norms(usp), _norms(one), "grad_norm")
+    start, _, _ = _records(folders, "usp")
+    assert start["param_bytes_local"] <= 1.15 / 2 * start["params"] * 4 + MIB
 
 
 def test_exports_load_in_transformers_and_agree(folders, runs):
@@ -185,6 +192,7 @@ def test_bad_inputs_fail_before_any_rank_starts(folders, tmp_path):
         (["--model", no_config], r"--model: .*no_config has no config.json"),
         (["--model", big_vocab], r"--model: the tokenizer in .* has \d+ tokens but the model's embedding has 100"),
         (["--data", empty], r"--data: no non-empty documents"),
+        (["--replicas", "3"], r"--replicas 3: must be a positive divisor of the 2 data-parallel groups"),
     ]
     for extra, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -37,8 +37,9 @@ class Runtime:
 
 
 def setup_runtime(cfg: TrainConfig) -> Runtime:
-    """The mesh of this run (collective: every rank calls it once, at start). ``--adaptive`` shards
-    over all ranks as ``(dp=W, cp=1)``; its attention groups come from each step's plan."""
+    """The mesh of this run (collective: every rank calls it once, at start): ``(dp, cp)``, or with
+    ``--replicas R`` ``(dp_replicate=R, dp_shard=dp/R, cp)`` (HSDP). ``--adaptive`` shards over all
+    ranks as ``(dp=W, cp=1)``; its attention groups come from each step's plan."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = torch.device("cpu")
@@ -50,8 +51,14 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
     if dist.is_initialized():
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
-        dp_rank = mesh.get_local_rank("dp")
+        if cfg.replicas > 1:  # HSDP: replicated across dp_replicate, sharded over dp_shard x cp
+            shard = dp // cfg.replicas
+            mesh = init_device_mesh(device.type, (cfg.replicas, shard, cp),
+                                    mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
+            dp_rank = mesh.get_local_rank("dp_replicate") * shard + mesh.get_local_rank("dp_shard")
+        else:
+            mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+            dp_rank = mesh.get_local_rank("dp")
     return Runtime(world, rank, dp, dp_rank, mesh, None, device)
 
 

@@ -61,6 +61,7 @@ class TrainConfig:
     export_hf: str | None = None
     compile: bool = False
     loss_chunk: int | None = None  # tokens per loss chunk; None = 256 MiB of fp32 logits; 0 = unchunked
+    replicas: int = 1  # HSDP: FSDP2 shards within groups of W / replicas ranks, replicated across them
 
     @property
     def data_dir(self) -> str:
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--export-hf", metavar="DIR", help="at the end, write the trained model as a transformers folder "
       "(safetensors, config, tokenizer) gathered from the shards; DIR must not exist or be empty")
     a("--compile", action="store_true", help="torch.compile each decoder layer")
+    a("--replicas", type=int, default=1, metavar="R", help="HSDP for large worlds: shard parameters within "
+      "W / R ranks (e.g. a node), replicate them across the R groups (gradients all-reduced across; default 1: "
+      "shard over all ranks)")
     a("--loss-chunk", type=int, metavar="TOKENS", help="tokens per chunk of the loss (linear + cross entropy "
       "chunk by chunk, exact; default: 256 MiB of fp32 logits per chunk; 0 = the model's full logits at once)")
     a("--crash-at-step", type=int, metavar="K", help=argparse.SUPPRESS)  # fault injection for tests
@@ -140,7 +144,7 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         save_every=ns.save_every, resume=ns.resume, nproc=ns.nproc, threads=ns.threads, plot=ns.plot,
         json=ns.json, log_every=ns.log_every, progress=not ns.no_progress, timeout=ns.timeout,
         crash_at_step=ns.crash_at_step, model=ns.model, trust_pickle=ns.trust_pickle, export_hf=ns.export_hf,
-        compile=ns.compile, loss_chunk=ns.loss_chunk)
+        compile=ns.compile, loss_chunk=ns.loss_chunk, replicas=ns.replicas)
 
 
 # ----------------------------------------------------------------------------- model config
@@ -250,6 +254,9 @@ def validate(cfg: TrainConfig, world: int):
     batch = global_batch(cfg, world)
     if batch < 1 or (batch % dp and not cfg.adaptive):  # adaptive plans its own groups
         raise ValueError(f"--batch-size {batch}: must be a positive multiple of the {dp} data-parallel groups")
+    if cfg.replicas < 1 or dp % cfg.replicas or (cfg.adaptive and cfg.replicas > 1):
+        raise ValueError(f"--replicas {cfg.replicas}: must be a positive divisor of the {dp} data-parallel groups "
+                         "(the replicas split dp; each holds whole context-parallel groups), and 1 with --adaptive")
     if cfg.adaptive and world & (world - 1):
         raise ValueError(f"--adaptive: the scheduler tiles the ranks with power-of-two groups; {world} ranks "
                          "is not a power of two")

@@ -170,7 +170,9 @@ def _start(cfg: TrainConfig) -> _Run:
     param_bytes = max_over_ranks(local_bytes(params), rt, "parameter bytes all-reduce")
     mode = "adaptive" if cfg.adaptive else f"cp={cfg.context_parallel} ({cfg.cp_method}) x dp={rt.dp}"
     source = f"model {cfg.model}" if cfg.model else "random weights"
-    shards = f"FSDP2 over {rt.world} rank(s)" if rt.mesh is not None else "one process, unsharded"
+    shards = "one process, unsharded" if rt.mesh is None else (
+        f"FSDP2 over {rt.world} rank(s)" if cfg.replicas == 1
+        else f"HSDP: {cfg.replicas} replicas, each sharded over {rt.world // cfg.replicas} rank(s)")
     run.log.info(f"seqpar train: {rt.world} rank(s) on {rt.device.type}, {mode}, {shards}; "
                  f"{run.num_params:,} parameters ({source}; {param_bytes / 2**20:,.1f} MiB on the largest rank); "
                  f"{batch} x {cfg.seq_len} tokens per step; data {data.files.root} ({len(data.lengths)} documents, "
