@@ -216,6 +216,14 @@ def test_the_table_says_when_ranks_share_cores(monkeypatch):
     assert core_sharing_note([{"world_size": 2}], threads=1) is None  # a core per rank: nothing to say
 
 
+def test_the_table_says_when_other_processes_kept_the_cores_busy():
+    from seqpar.bench.cli import busy_machine_note
+
+    note = busy_machine_note(25.3, 2)  # measured here: a shared 2-core machine, efficiencies 0.28-0.62 at 2 ranks
+    assert "load average 25.3 on 2 usable core(s)" in note and "efficiency column" in note
+    assert busy_machine_note(0.4, 2) is None and busy_machine_note(None, 2) is None  # idle, or no load average
+
+
 def test_a_first_bench_run_prints_no_library_warnings(tmp_path):
     """What a new user sees from `seqpar bench` (default ranks, the peak-memory profile on): the table and
     nothing of torch's profiler ("Memory block of unknown size ...", profiler start/stop lines)."""

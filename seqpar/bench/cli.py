@@ -50,6 +50,24 @@ def core_sharing_note(rows: list[dict], threads: int) -> str | None:
             f"--nproc {max(2, cores // max(threads, 1))} or fewer here, or torchrun on machines with a core per rank.")
 
 
+def busy_machine_note(load_before: float | None, cores: int) -> str | None:
+    """A note when other processes kept the cores busy as the run started (``load_before``: the
+    1-minute load average then; None where the platform has none): every timing, the 1-rank
+    baseline's included, then waited for the cores, and the efficiency column means little."""
+    if load_before is None or load_before < 0.5 * cores:
+        return None
+    return (f"note: the machine was busy before the run started (load average {load_before:.1f} on {cores} usable "
+            f"core(s)): other processes shared the cores with the ranks and with the 1-rank baseline, so the timings "
+            f"and the efficiency column vary with their load; rerun on an idle machine for numbers that mean something.")
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in str(text).split(",") if x.strip()]
 
@@ -140,6 +158,7 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         parser.error(f"{args.suite + ': ' if args.suite else ''}{exc}")
     progress = not args.no_progress
+    load_before = _load_average()
     if config.get("emulate") is not None:
         if args.packed:
             parser.error("--packed: --emulate runs dense problems only")
@@ -158,9 +177,13 @@ def main(argv: list[str]) -> int:
 
     title = f"seqpar bench{' ' + str(config['name']) if config.get('name') else ''}"
     print_table(rows, title=title + (" --packed" if config.get("packed") else ""))
-    note = None if config.get("emulate") is not None else core_sharing_note(rows, config.get("threads", 1))
-    if note:
-        print(note)
+    if config.get("emulate") is None:
+        from seqpar.comm.launch import launched_by_torchrun, usable_cores
+
+        notes = [core_sharing_note(rows, config.get("threads", 1)),
+                 None if launched_by_torchrun() else busy_machine_note(load_before, usable_cores())]
+        for note in filter(None, notes):
+            print(note)
     for path, write in ((args.json, write_json), (args.csv, write_csv)):
         if path:
             write(rows, path)
