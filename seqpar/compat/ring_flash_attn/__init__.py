@@ -25,7 +25,9 @@ dense, ``[H, T_local]`` varlen; it costs one more attention forward). Where seqp
 - ``dropout_p > 0`` and ``alibi_slopes`` raise ``ValueError`` on every rank before any communication
   (seqpar implements neither); ``deterministic`` is accepted (seqpar's results do not depend on it);
 - ``max_seqlen*`` and ``heads_k_stride`` are accepted and not needed (``heads_k_stride`` must
-  divide the K,V heads, as in the original).
+  divide the K,V heads, as in the original);
+- the HF adapter applies a model's ``sliding_window`` W as transformers' own attention functions do
+  (each query sees W keys, itself included); the original passes ``window_size=(W, W)``, one key more.
 """
 
 from .dense import (ring_flash_attn_func, ring_flash_attn_kvpacked_func, ring_flash_attn_qkvpacked_func,
