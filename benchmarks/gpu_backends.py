@@ -158,22 +158,35 @@ def check_backend(name: str, d: int, t: int = 512, hq: int = 8, hkv: int = 2, de
     return {"backend": name, "head_dim": d, "tokens": t, "heads": [hq, hkv], "errors": errs, "ok": ok}
 
 
+def _need(d: dict, names: tuple[str, ...], where: str) -> None:
+    """Refuse a measurement JSON that lacks a field of a case (never guessed)."""
+    missing = [n for n in names if n not in d]
+    if missing:
+        raise ValueError(f"{where} has no {', '.join(missing)}: the dispatch table needs every field of a "
+                         "case; re-run the benchmark that wrote it")
+
+
 def measurements(doc: dict) -> list[dict]:
     """``build_table`` input from a JSON of this script or of ``gpu_kernel_times.py``."""
+    _need(doc, ("machine", "rows"), "the measurement JSON")
+    _need(doc["machine"], ("capability",), "its 'machine'")
     cap = doc["machine"]["capability"]
     arch = f"sm{cap[0]}{cap[1]}"
     out = []
-    for row in doc["rows"]:
+    for i, row in enumerate(doc["rows"]):
         if "event" in row:  # gpu_kernel_times.py: [b, rows, keys, hq, hkv, d], forced_<backend>
+            _need(doc, ("dtype",), "the gpu_kernel_times JSON")
+            _need(row, ("shape", "mask"), f"rows[{i}]")
             _, rows, keys, _, _, d = row["shape"]
             backward = row["event"] == "block_bwd"
             plan = plan_block(rows, keys, row["mask"])
             key = TableKey(arch, PASSES[backward], kind_of(plan), shape_class(plan.rows, plan.keys),
-                           DTYPE_NAMES[getattr(torch, doc.get("dtype", "bfloat16"))], d)
+                           DTYPE_NAMES[getattr(torch, doc["dtype"])], d)
             times = {n[len("forced_"):]: t for n, t in row.items() if n.startswith("forced_")}
             out += [{**key.as_dict(), "rows": rows, "keys": keys, "block": row["mask"], "backend": n,
                      "ms": t.get("median_ms")} for n, t in times.items()]
             continue
+        _need(row, ("kind", "shape", "dtype", "head_dim", "rows", "keys", "mask", *PASSES), f"rows[{i}]")
         for p in PASSES:
             key = TableKey(arch, p, row["kind"], row["shape"], row["dtype"], row["head_dim"])
             out += [{**key.as_dict(), "rows": row["rows"], "keys": row["keys"], "block": row["mask"],

@@ -89,6 +89,22 @@ def test_table_from_synthetic_measurements(bench, tmp_path):
     assert all("flash4" not in order for order in table.orders.values())
 
 
+@pytest.mark.parametrize("drop", ["machine", "rows[0].head_dim", "rows[1].kind", "rows[0].backward", "dtype"])
+def test_table_refuses_a_json_that_lacks_a_case_field(bench, tmp_path, drop):
+    """A measurement JSON missing a field of a case is refused (never guessed, e.g. a dtype)."""
+    doc = json.loads(_synthetic(tmp_path).read_text())
+    if drop == "dtype":  # gpu_kernel_times.py's format keeps the dtype at the top
+        doc["rows"][0] = {"event": "block_fwd", "shape": [1, 64, 64, 4, 2, 64], "mask": "none",
+                          "forced_triton": {"median_ms": 1.0}}
+    elif "." in drop:
+        where, field = drop.split(".")
+        del doc["rows"][int(where[5])][field]
+    else:
+        del doc[drop]
+    with pytest.raises(ValueError, match=f"has no {drop.split('.')[-1]}"):
+        bench.measurements(doc)
+
+
 def test_committed_table_is_the_committed_measurement(bench, tmp_path):
     """seqpar/kernels/dispatch_table.json is what its stored command gives from the committed JSON."""
     committed = json.loads((ROOT / "seqpar/kernels/dispatch_table.json").read_text())
