@@ -471,6 +471,40 @@ def test_hf_adapter_matches_single_process_model(n, kind):
             assert e <= FP32_TOL, f"rank {rank} {name}: error {e:.2e} > {FP32_TOL:.0e}"
 
 
+# the original's (0.1.8) modules and what each defines, as code imports them
+PEER_MODULES = {
+    "ring_flash_attn": ("ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func"),
+    "zigzag_ring_flash_attn": ("zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
+                               "zigzag_ring_flash_attn_qkvpacked_func"),
+    "stripe_flash_attn": ("stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func",
+                          "stripe_flash_attn_qkvpacked_func"),
+    "ring_flash_attn_varlen": ("ring_flash_attn_varlen_func", "ring_flash_attn_varlen_kvpacked_func",
+                               "ring_flash_attn_varlen_qkvpacked_func"),
+    "zigzag_ring_flash_attn_varlen": ("zigzag_ring_flash_attn_varlen_func",
+                                      "zigzag_ring_flash_attn_varlen_kvpacked_func",
+                                      "zigzag_ring_flash_attn_varlen_qkvpacked_func"),
+    "llama3_flash_attn_varlen": ("llama3_flash_attn_prepare_cu_seqlens", "llama3_flash_attn_varlen_func",
+                                 "llama3_flash_attn_varlen_kvpacked_func", "llama3_flash_attn_varlen_qkvpacked_func"),
+    "adapters": ("substitute_hf_flash_attn", "update_ring_flash_attn_params"),
+    "adapters.hf_adapter": ("substitute_hf_flash_attn", "update_ring_flash_attn_params", "use_ring_attn",
+                            "DATA_PARAMS"),
+}
+
+
+def test_the_original_module_paths_serve_the_same_functions():
+    """``from ring_flash_attn.<module> import name`` works with seqpar's package name in front, and
+    gives the package's own objects (the 21 names of the original's __init__ among them)."""
+    import importlib
+
+    for module, names in PEER_MODULES.items():
+        mod = importlib.import_module(f"seqpar.compat.ring_flash_attn.{module}")
+        for name in names:
+            assert getattr(mod, name) is getattr(rfa.adapters.hf_adapter if name == "DATA_PARAMS" else rfa, name), \
+                f"{module}.{name}"
+    top = {n for module, names in PEER_MODULES.items() if module != "adapters.hf_adapter" for n in names}
+    assert len(top) == 21 and top <= set(rfa.__all__)
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 

@@ -14,6 +14,9 @@ and GPU (NCCL), needs no flash-attn build, never expands GQA's K,V heads:
   ``cu_seqlens`` = global // N;
 - the packed stream cut into N contiguous pieces (:mod:`.llama3`):
   ``llama3_flash_attn_prepare_cu_seqlens``, ``llama3_flash_attn_varlen_func`` (+ packed forms);
+- the original's module paths too (``.ring_flash_attn``, ``.zigzag_ring_flash_attn``,
+  ``.stripe_flash_attn``, ``.ring_flash_attn_varlen``, ``.zigzag_ring_flash_attn_varlen``,
+  ``.llama3_flash_attn_varlen``: the same functions), for code that imports from them;
 - the HF adapter (:mod:`.adapters.hf_adapter`, the original's module path): ``substitute_hf_flash_attn``,
   ``update_ring_flash_attn_params``, ``use_ring_attn``, ``DATA_PARAMS``.
 
