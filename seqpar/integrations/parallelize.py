@@ -154,7 +154,8 @@ def parallelize(model, mesh, *, cp_method: str = "zigzag_ring", checkpointing: s
     Args:
         model: a transformers decoder (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...), identical on
             every rank, on any device or on ``"meta"`` (then ``model.to_empty(device=...)`` and fill
-            the shards afterwards).
+            the shards afterwards; a model whose test forward cannot run on meta, such as gpt-oss,
+            then needs :func:`seqpar.integrations.hf.verify_context_parallel` once filled).
         mesh: DeviceMesh with dims ``("dp", "cp")`` (a world of W = dp x cp ranks), ``("cp",)``, or
             ``("dp_replicate", "dp_shard", "cp")`` for HSDP; None on a single device without
             torch.distributed.

@@ -8,9 +8,9 @@
 
 from ...comm.usp_groups import USPGroups, make_usp_groups
 from .cache import ShardedCache
-from .convert import apply_context_parallel
+from .convert import apply_context_parallel, verify_context_parallel
 from .inputs import (IGNORE_INDEX, ShardedInputs, context_parallel_loss, packed_position_ids, shard_inputs,
                      shift_labels)
 
 __all__ = ["IGNORE_INDEX", "ShardedCache", "ShardedInputs", "apply_context_parallel", "context_parallel_loss",
-           "make_usp_groups", "packed_position_ids", "shard_inputs", "shift_labels", "USPGroups"]
+           "make_usp_groups", "packed_position_ids", "shard_inputs", "shift_labels", "USPGroups", "verify_context_parallel"]

@@ -41,6 +41,7 @@ __all__ = ["apply_context_parallel"]
 # seqpar.attention keywords this integration sets itself; the others may be passed as options.
 _BOUND = {"group", "method", "causal", "softmax_scale", "cu_seqlens", "window", "sinks"}  # window, sinks: per layer
 _PROBE_NAME = "seqpar_probe"
+_UNVERIFIED_NAME = "seqpar_unverified"
 
 
 def _attention_options() -> tuple[str, ...]:
@@ -171,9 +172,10 @@ def _set_implementation(model, name: str) -> None:
             "transformers' AttentionInterface, so it cannot run context-parallel attention")
 
 
-def _check_dispatch(model, attention_modules) -> None:
+def _check_dispatch(model, attention_modules, defer_on_meta: bool = False) -> bool:
     """Run a 2-token forward with a recording implementation: every decoder layer's attention must
-    call the interface and receive the forward's kwargs (that is how cu_seqlens reaches it)."""
+    call the interface and receive the forward's kwargs (that is how cu_seqlens reaches it).
+    Returns False (checked nothing) when ``defer_on_meta`` and the forward cannot run on the meta device."""
     _interface().register(_PROBE_NAME, _probe_attention)
     _set_implementation(model, _PROBE_NAME)
     param = next(model.parameters(), None)
@@ -183,6 +185,8 @@ def _check_dispatch(model, attention_modules) -> None:
         with torch.no_grad():
             model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False, seqpar_probe=seen)
     except Exception as exc:
+        if device.type == "meta" and defer_on_meta:
+            return False  # an op without a meta kernel (gpt-oss' grouped-matmul experts): check once filled
         raise ValueError(f"model: a 2-token test forward of {type(model).__name__} failed ({type(exc).__name__}: "
                          f"{exc}); apply_context_parallel needs a decoder model that takes input_ids") from exc
     missing = [f"{path} ({type(mod).__name__})" for path, mod in attention_modules if id(mod) not in seen]
@@ -195,6 +199,33 @@ def _check_dispatch(model, attention_modules) -> None:
     refused = [why for why in refused if why]
     if refused:
         raise ValueError(f"{refused[0]} ({len(refused)} of {len(attention_modules)} attention layers alike)")
+    return True
+
+
+def _unverified_attention(module, *args, **kwargs):
+    raise ValueError(
+        f"model: {type(module).__name__}'s context-parallel attention is not verified yet: the model was converted "
+        "on the meta device, where its 2-token test forward cannot run; after filling its weights call "
+        "seqpar.integrations.hf.verify_context_parallel(model) on every rank (seqpar train does)")
+
+
+def verify_context_parallel(model) -> None:
+    """Finish :func:`apply_context_parallel` on a model converted on the meta device whose test forward
+    could not run there (an op without a meta kernel, such as gpt-oss' grouped-matmul experts): run the
+    2-token dispatch check now that the weights are filled (sharded or not), then select seqpar's
+    attention. Until then the model's attention raises instead of attending locally. Collective under
+    FSDP2 (every rank calls it at the same point); a no-op for a model already checked."""
+    pending = getattr(model, "seqpar_unverified", None)
+    if pending is None:
+        return
+    name, attention_modules = pending
+    try:
+        _check_dispatch(model, attention_modules)
+    except Exception:
+        _set_implementation(model, _UNVERIFIED_NAME)
+        raise
+    _set_implementation(model, name)
+    del model.seqpar_unverified
 
 
 def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **options):
@@ -223,7 +254,9 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
     ``s_aux`` (sinks) as ``window=`` and ``sinks=``. Raises ``ValueError`` when a decoder layer's
     attention does not dispatch through the interface (naming the module), when a layer applies
     attention-logit softcapping (Gemma-2; naming the module and ``attn_logit_softcapping``), for an
-    unknown method or option, and for a group of the wrong type.
+    unknown method or option, and for a group of the wrong type. On the meta device, a model whose
+    test forward cannot run there (gpt-oss' grouped-matmul experts) is checked later: call
+    :func:`verify_context_parallel` once its weights are filled (its attention raises until then).
     """
     if not hasattr(model, "config") or not isinstance(model, torch.nn.Module):
         raise ValueError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
@@ -242,9 +275,12 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
     previous = getattr(model.config, "_attn_implementation", None)
     name = _registration_name(group, method, options)
     try:
-        _check_dispatch(model, attention_modules)
+        checked = _check_dispatch(model, attention_modules, defer_on_meta=True)
         _interface().register(name, _make_attention(group, method, dict(options)))
-        _set_implementation(model, name)
+        if not checked:  # on meta: verify_context_parallel(model) once the weights are filled
+            _interface().register(_UNVERIFIED_NAME, _unverified_attention)
+            model.seqpar_unverified = (name, attention_modules)
+        _set_implementation(model, name if checked else _UNVERIFIED_NAME)
         cache_hooks.install(model, layers_name, group, method, options)  # generate() on a ShardedCache
     except Exception:
         if previous is not None and getattr(model.config, "_attn_implementation", None) != previous:

@@ -83,10 +83,13 @@ def build_model(cfg: TrainConfig, rt: Runtime, folder, before_shard=None):
 
         load_sharded_weights(model, folder, device=rt.device)
     else:
-        from .model_io import _materialize
+        from .model_io import materialize
 
-        _materialize(model, rt.device, "--model-config")
+        materialize(model, rt.device, "--model-config")
         random_init(model, cfg.seed)
+    from ..hf.convert import verify_context_parallel
+
+    verify_context_parallel(model)  # the dispatch check a meta-device forward could not run (gpt-oss)
     return model.train()
 
 

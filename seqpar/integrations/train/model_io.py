@@ -234,9 +234,6 @@ def materialize(model, device=None, argument: str = "--model") -> None:
                              f"meta-device construction; this model type cannot be loaded this way")
 
 
-_materialize = materialize  # the earlier private name
-
-
 @torch.no_grad()
 def load_sharded_weights(model, folder: ModelFolder | str | os.PathLike, *, device=None,
                          argument: str = "--model") -> list[str]:
