@@ -93,8 +93,9 @@ def test_the_rank_agreement_is_traced_unless_it_is_off(method):
 def test_events_stream_lazily_and_forward_only_stops_early():
     s = Shape(1 << 20, heads=32, kv_heads=8, head_dim=128, esize=2)
     it = rank_events("ring", 1024, 5, s)
-    first = [next(it) for _ in range(4)]  # 1024 ranks' schedules are never built whole
-    assert [e["type"] for e in first] == ["begin", "send", "recv", "compute"]
-    assert first[1]["bytes"] == 2 * 1024 * 8 * 128 * 2  # K and V of 1024 tokens, 8 heads, bf16
+    first = [next(it) for _ in range(6)]  # 1024 ranks' schedules are never built whole
+    assert [e["type"] for e in first] == ["begin", "send", "send", "recv", "recv", "compute"]
+    # K and V of 1024 tokens, 8 heads, bf16: two tensors of one batch (no stacked copy)
+    assert first[1]["bytes"] == first[2]["bytes"] == 1024 * 8 * 128 * 2
     fwd = list(rank_events("zigzag_ring", 4, 1, s, forward_only=True))
     assert {e["phase"] for e in fwd} == {"fwd"} and fwd[-1] == {**fwd[-1], "type": "end", "name": "attention fwd"}

@@ -145,12 +145,14 @@ def test_linear_traces_are_consistent(method):
 
 
 def test_ring_dependencies_follow_the_schedule():
-    """Step s computes with the K,V received at step s-1; dK,dV leave with the blocks that made them."""
+    """Step s computes with the K,V received at step s-1 (two receives: K and V travel as two tensors);
+    dK,dV leave with the blocks that made them."""
     traces = _traces(run_distributed(_softmax_step, 2, "ring", 2, False, True, timeout=120))
     for tr in traces:
         ev = tr.events
         computes = [e for e in ev if e["type"] == "compute" and e["phase"] == "fwd"]
-        assert computes[0]["deps"] == [] and all([ev[d]["type"] for d in c["deps"]] == ["recv"] for c in computes[1:])
+        assert computes[0]["deps"] == [] and all([ev[d]["type"] for d in c["deps"]] == ["recv", "recv"]
+                                                 for c in computes[1:])
         assert len(computes) == 1 + tr.rank  # causal contiguous ring: rank r sees r earlier shards
         dkv = [e for e in ev if e["type"] == "send" and e["chan"] == "ring_dkv"]
         assert dkv and all(e["deps"] and all(ev[d]["type"] in ("compute", "recv") for d in e["deps"]) for e in dkv)

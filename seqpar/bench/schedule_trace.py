@@ -75,12 +75,15 @@ def ring_pass(em: _Emit, sched, me: int, ranks: list[int], t_local: int, s: Shap
     b, d = s.batch, s.head_dim
     sizes_of: dict = {}  # (what, rows) -> bytes of each wire tensor
     if sched.transport == "allgather" and n > 1:
-        ev = em("coll", kind="all_gather", members=ranks, bytes=2 * b * t_local * heads[1] * d * s.esize,
-                chan="allgather_kv", deps=[], **{"async": False})
-        yield ev
+        ids = []
+        for _ in ("k", "v"):  # K and V gathered apart (executor.execute)
+            ev = em("coll", kind="all_gather", members=ranks, bytes=b * t_local * heads[1] * d * s.esize,
+                    chan="allgather_kv", deps=[], **{"async": False})
+            ids.append(ev["id"])
+            yield ev
         for j in range(n):
             if j != idx:
-                book.gathered(("kv", (j - idx) % n), ev["id"])
+                book.gathered(("kv", (j - idx) % n), *ids)
     tags = {w: [4 * PAYLOADS.index(w) + i for i in range(len(WIRES[(w, bwd)]))] for w in PAYLOADS
             if (w, bwd) in WIRES}
     chans = {w: f"{sched.name}_{w}" for w in tags}
@@ -132,8 +135,9 @@ def ring_pass(em: _Emit, sched, me: int, ranks: list[int], t_local: int, s: Shap
                 pos += k
         book.settle()
     if bwd and sched.transport == "allgather" and n > 1:
-        yield em("coll", kind="reduce_scatter", members=ranks, bytes=2 * b * t_local * heads[1] * d * s.acc,
-                 chan="reduce_scatter_dkv", deps=[], **{"async": False})
+        for _ in ("dk", "dv"):
+            yield em("coll", kind="reduce_scatter", members=ranks, bytes=b * t_local * heads[1] * d * s.acc,
+                     chan="reduce_scatter_dkv", deps=[], **{"async": False})
 
 
 def _a2a(em: _Emit, me: int, ranks: list[int], per_member: list[int], esize: int, chan: str) -> dict:

@@ -3,9 +3,11 @@ backend protocol and the reduction of a masked block to what a kernel sees.
 
 Shapes (flash-attn layout, per rank; ``T`` is the length of this block only):
 
-- ``q``: ``[B, Tq, Hq, D]``; ``k``, ``v``: ``[B, Tk, Hkv, D]`` with
-  ``Hq % Hkv == 0``. Query head ``h`` uses key/value head ``h // (Hq // Hkv)``.
-- ``out``: ``[B, Tq, Hq, D]`` in q's dtype; ``lse``: ``[B, Hq, Tq]`` float32
+- ``q``: ``[B, Tq, Hq, D]``; ``k``: ``[B, Tk, Hkv, D]``, ``v``: ``[B, Tk, Hkv, D_v]`` with
+  ``Hq % Hkv == 0``. Query head ``h`` uses key/value head ``h // (Hq // Hkv)``. ``D_v`` (the value
+  head dim) is usually ``D``; MLA models (DeepSeek-V2/V3) use ``D_v != D`` (192/128), served by
+  backends with ``caps.value_dim``.
+- ``out``: ``[B, Tq, Hq, D_v]`` in q's dtype; ``lse``: ``[B, Hq, Tq]`` float32
   (float64 for float64 inputs), natural log of the sum of ``exp(scale * q.k)``
   over the keys the row sees.
 
@@ -53,8 +55,8 @@ def check_scale(scale: float) -> None:
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Validate the shapes, dtypes and devices of one attention block.
 
-    ``q``: ``[B, Tq, Hq, D]``; ``k``, ``v``: ``[B, Tk, Hkv, D]``; ``Hq % Hkv == 0``;
-    one dtype and one device for all three. Raises ``ValueError`` naming the
+    ``q``: ``[B, Tq, Hq, D]``; ``k``: ``[B, Tk, Hkv, D]``; ``v``: ``[B, Tk, Hkv, D_v]`` (``D_v`` may
+    differ from ``D``: MLA); ``Hq % Hkv == 0``; one dtype and one device for all three. Raises ``ValueError`` naming the
     offending argument.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -64,11 +66,11 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} must be 4-D [B, T, H, D] (flash-attn layout), got shape {tuple(t.shape)}"
             )
-    for dim, what in enumerate(("batch", "sequence length", "heads", "head dim")):
+    for dim, what in enumerate(("batch", "sequence length", "heads")):
         if k.shape[dim] != v.shape[dim]:
             raise ValueError(
                 f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in {what} (dim {dim}): "
-                "v must have the same [B, Tk, Hkv, D] as k"
+                "v must be [B, Tk, Hkv, D_v] with k's B, Tk and Hkv"
             )
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]}: q, k, v need the same B")
@@ -146,6 +148,8 @@ class Capabilities:
     documents square, flash-attn's bottom-right ``(left, right)`` windows).
     ``accumulate``: merges a block into running fp32 accumulators inside its kernel
     (:meth:`Backend.forward_into`, and ``acc=`` of :meth:`Backend.varlen_forward`).
+    ``value_dim``: serves a value head dim ``D_v`` different from q's and k's ``D`` (MLA models);
+    ``head_dim_multiple`` / ``max_head_dim`` then apply to both.
     """
 
     devices: frozenset[str]
@@ -161,6 +165,7 @@ class Capabilities:
     window: bool = False
     varlen: bool = False
     accumulate: bool = False
+    value_dim: bool = False
 
 
 class Backend:
@@ -211,6 +216,11 @@ class Backend:
             return f"head dim {d} is not a multiple of {c.head_dim_multiple}"
         if c.max_head_dim is not None and d > c.max_head_dim:
             return f"head dim {d} > {c.max_head_dim}"
+        dv = v.shape[-1]
+        if dv != d and not c.value_dim:
+            return f"value head dim {dv} != query/key head dim {d} (MLA): this kernel needs equal head dims"
+        if dv != d and (dv % c.head_dim_multiple or (c.max_head_dim is not None and dv > c.max_head_dim)):
+            return f"value head dim {dv} is not a multiple of {c.head_dim_multiple} up to {c.max_head_dim}"
         if not c.gqa and q.shape[2] != k.shape[2]:
             return f"no GQA (Hq={q.shape[2]}, Hkv={k.shape[2]})"
         if for_backward and c.needs_out and not has_out:

@@ -184,7 +184,7 @@ def _flip(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
 def _pieces_forward(q, k, v, band: Band, scale: float, backend):
     """A reduced window block as plain pieces (:func:`~seqpar.kernels.masks.band_pieces`), each a
     block call of its own (reversed rows and keys where the piece says so), merged in fp32."""
-    out, lse = new_accumulator(q.shape, q.device, dtype=lse_dtype(q.dtype))
+    out, lse = new_accumulator(q.shape[:3] + v.shape[3:], q.device, dtype=lse_dtype(q.dtype))
     for p in band_pieces(q.shape[1], k.shape[1], band):
         qp, kp, vp = q[:, p.q0:p.q1], k[:, p.k0:p.k1], v[:, p.k0:p.k1]
         if p.flip:
@@ -227,8 +227,8 @@ def block_forward(
     """Attention of one block with its log-sum-exp.
 
     ``q [B, Tq, Hq, D]``, ``k``/``v [B, Tk, Hkv, D]`` (``Hq % Hkv == 0``, K/V
-    never expanded on the wire). ``mask`` is one of ``MASKS`` or a
-    :class:`~seqpar.kernels.masks.Band`, aligned top-left when ``Tq != Tk``. Returns ``out [B, Tq, Hq, D]`` in q's dtype
+    never expanded on the wire; ``v`` may have its own head dim ``D_v``: MLA). ``mask`` is one of ``MASKS`` or a
+    :class:`~seqpar.kernels.masks.Band`, aligned top-left when ``Tq != Tk``. Returns ``out [B, Tq, Hq, D_v]`` in q's dtype
     and ``lse [B, Hq, Tq]`` fp32 (fp64 for fp64 inputs); a row that sees no
     key has ``out = 0``, ``lse = -inf``.
     """
@@ -236,9 +236,10 @@ def block_forward(
     check_scale(scale)
     b, tq, hq, d = q.shape
     plan = plan_block(tq, k.shape[1], mask)
+    dv = v.shape[3]
     if plan.empty or b == 0 or hq == 0 or d == 0:
         select_backend(q, k, v, mask=mask, backend=backend)  # the same errors as a full block
-        out = q.new_zeros(q.shape)
+        out = q.new_zeros((b, tq, hq, dv))
         lse = torch.full((b, hq, tq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
         return out, lse
     rows, keys = slice(plan.q_start, plan.q_stop), slice(plan.k_start, plan.k_stop)
@@ -251,8 +252,8 @@ def block_forward(
     lse = lse.to(lse_dtype(q.dtype))
     before, after = plan.q_start, tq - plan.q_stop
     if before or after:
-        out = torch.cat([x for x in (out.new_zeros(b, before, hq, d), out, out.new_zeros(b, after, hq, d)) if x.shape[1]],
-                        dim=1)
+        out = torch.cat([x for x in (out.new_zeros(b, before, hq, dv), out, out.new_zeros(b, after, hq, dv))
+                         if x.shape[1]], dim=1)
         lse = torch.cat([x for x in (lse.new_full((b, hq, before), float("-inf")), lse,
                                      lse.new_full((b, hq, after), float("-inf"))) if x.shape[2]], dim=2)
     return out, lse
@@ -275,7 +276,7 @@ def block_forward_into(
     pass, no rounding of the block's ``out`` to q's dtype); any other runs its forward and
     :func:`~seqpar.kernels.merge.merge_`.
 
-    ``q``, ``k``, ``v``, ``mask`` as in :func:`block_forward`; ``acc_out [B, Tq, Hq, D]`` and
+    ``q``, ``k``, ``v``, ``mask`` as in :func:`block_forward`; ``acc_out [B, Tq, Hq, D_v]`` and
     ``acc_lse [B, Hq, Tq]`` float32 (float64 for float64 inputs), e.g. from
     :func:`~seqpar.kernels.merge.new_accumulator`. Rows that see no key keep their values.
     """
@@ -283,11 +284,11 @@ def block_forward_into(
     check_scale(scale)
     b, tq, hq, d = q.shape
     acc = lse_dtype(q.dtype)
-    for name, x, shape in (("acc_out", acc_out, tuple(q.shape)), ("acc_lse", acc_lse, (b, hq, tq))):
+    for name, x, shape in (("acc_out", acc_out, (b, tq, hq, v.shape[3])), ("acc_lse", acc_lse, (b, hq, tq))):
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != acc or x.device != q.device:
             got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must be a {acc} tensor of shape {shape} on {q.device} "
-                             f"(new_accumulator(q.shape, q.device)), got {got}")
+                             f"(new_accumulator(out's shape, q.device)), got {got}")
     plan = plan_block(tq, k.shape[1], mask)
     if plan.empty or b == 0 or hq == 0 or d == 0:
         select_backend(q, k, v, mask=mask, backend=backend)  # the same errors as a full block
@@ -326,7 +327,7 @@ def block_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the FINAL (merged) ``out`` and ``lse`` of its rows.
 
-    ``dout``/``out``: ``[B, Tq, Hq, D]`` (``out`` may be the fp32
+    ``dout``/``out``: ``[B, Tq, Hq, D_v]`` (``out`` may be the fp32
     accumulator); ``lse``: ``[B, Hq, Tq]``; ``delta`` = rowsum(dout * out) in
     fp32, ``[B, Hq, Tq]``, may replace ``out`` (``out=None``; dispatch then
     skips backends that need ``out``); given both, backends that can use
@@ -339,8 +340,8 @@ def block_backward(
     b, tq, hq, d = q.shape
     if not isinstance(dout, torch.Tensor) or not isinstance(lse, torch.Tensor):
         raise ValueError("dout and lse must be tensors ([B, Tq, Hq, D] and [B, Hq, Tq])")
-    _check_rows("dout", dout, tuple(q.shape))
-    _check_rows("out", out, tuple(q.shape))
+    _check_rows("dout", dout, (b, tq, hq, v.shape[3]))
+    _check_rows("out", out, (b, tq, hq, v.shape[3]))
     _check_rows("lse", lse, (b, hq, tq))
     _check_rows("delta", delta, (b, hq, tq))
     if out is None and delta is None:

@@ -68,6 +68,7 @@ class ReferenceBackend(Backend):
         priority=0,
         preferred_dtypes=frozenset({torch.float64}),
         window=True,
+        value_dim=True,  # plain matmuls: D_v is P @ V's width
     )
 
     def forward(self, q, k, v, *, scale, causal, window=None):

@@ -10,6 +10,11 @@ They run on the reduced block of :func:`seqpar.kernels.base.plan_block`
   float64 all work; lse is float32 (float64 for float64); GQA is native (dK
   comes back with Hkv heads); causal with Tq != Tk is top-left; any head dim.
   Half-precision backward (and fp16 forward) run in fp32, see below.
+  The op needs one head dim for q, k and v: a value head dim ``D_v != D``
+  (MLA) is served by padding the narrower of (q, k) and (v, and dout and
+  out in backward) with zero columns inside the call and slicing the
+  results back (zero columns add nothing to q·k, and rowsum(dout * out) is
+  unchanged); nothing padded leaves the call.
   It returns lse 0 for a fully masked row and dies with SIGFPE on Tq == 0 or
   Tk == 0, which is why the dispatch layer never hands it such blocks.
   No ``window`` capability: a sliding-window band runs as plain causal pieces
@@ -74,29 +79,34 @@ class TorchCPUBackend(Backend):
         dtypes=FLOAT_DTYPES,
         needs_out=True,  # the op derives delta from `out` itself
         priority=20,
+        value_dim=True,  # D_v != D: padded with zeros inside the call (_padded)
     )
 
     def forward(self, q, k, v, *, scale, causal):
         ct = _CPU_COMPUTE_FWD.get(q.dtype, q.dtype)
+        width = max(q.shape[3], v.shape[3])
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            _bhtd(q.to(ct)), _bhtd(k.to(ct)), _bhtd(v.to(ct)), 0.0, causal, scale=scale
+            *(_bhtd(_padded(x.to(ct), width)) for x in (q, k, v)), 0.0, causal, scale=scale
         )
-        return _bhtd(out).to(q.dtype).contiguous(), lse
+        return _bhtd(out[..., :v.shape[3]]).to(q.dtype).contiguous(), lse
 
     def backward(self, dout, q, k, v, out, lse, *, scale, causal, delta):
         ct = _CPU_COMPUTE_BWD.get(q.dtype, q.dtype)
+        width = max(q.shape[3], v.shape[3])
+        # out: the merged fp32 accumulator stays exact here
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bhtd(dout.to(ct)),
-            _bhtd(q.to(ct)),
-            _bhtd(k.to(ct)),
-            _bhtd(v.to(ct)),
-            _bhtd(out.to(ct)),  # the merged fp32 accumulator stays exact here
+            *(_bhtd(_padded(x.to(ct), width)) for x in (dout, q, k, v, out)),
             lse.to(lse_dtype(ct)).contiguous(),
             0.0,
             causal,
             scale=scale,
         )
-        return tuple(_bhtd(g).to(q.dtype).contiguous() for g in (dq, dk, dv))
+        return tuple(_bhtd(g[..., :x.shape[3]]).to(q.dtype).contiguous() for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x [B, T, H, D]`` with zero columns up to head dim ``width`` (``x`` itself when it has it)."""
+    return x if x.shape[3] == width else torch.nn.functional.pad(x, (0, width - x.shape[3]))
 
 
 def _capability(device: torch.device) -> tuple[int, int]:

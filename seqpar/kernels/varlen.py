@@ -271,7 +271,7 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: 
                    acc: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Attention of every segment with its log-sum-exp -> ``(out, lse)``.
 
-    ``q [1, Tq, Hq, D]``, ``k``/``v [1, Tk, Hkv, D]``; returns ``out [1, Tq, Hq, D]``
+    ``q [1, Tq, Hq, D]``, ``k [1, Tk, Hkv, D]``, ``v [1, Tk, Hkv, D_v]``; returns ``out [1, Tq, Hq, D_v]``
     in q's dtype and ``lse [1, Hq, Tq]`` fp32 (fp64 for fp64). Rows in no segment:
     ``out = 0``, ``lse = -inf``. ``backend``: None (a varlen kernel when the first-ranked
     backend has one, else per-segment block calls with automatic dispatch: :mod:`.varlen_packed`),
@@ -282,14 +282,15 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: 
     """
     _check_streams(q, k, v, segments)
     check_scale(scale)
+    out_shape = tuple(q.shape[:3]) + (v.shape[3],)
     if acc is None:
-        acc_out, acc_lse = new_accumulator(q.shape, q.device, dtype=lse_dtype(q.dtype))
+        acc_out, acc_lse = new_accumulator(out_shape, q.device, dtype=lse_dtype(q.dtype))
     else:
         acc_out, acc_lse = acc
-        if tuple(acc_out.shape) != tuple(q.shape) or tuple(acc_lse.shape) != (1, q.shape[2], q.shape[1]):
+        if tuple(acc_out.shape) != out_shape or tuple(acc_lse.shape) != (1, q.shape[2], q.shape[1]):
             raise ValueError(f"acc shapes {tuple(acc_out.shape)}, {tuple(acc_lse.shape)} do not fit q "
-                             f"{tuple(q.shape)}: make them with new_accumulator(q.shape, q.device)")
-    hq, d = q.shape[2], q.shape[3]
+                             f"{tuple(q.shape)}, v {tuple(v.shape)}: make them with new_accumulator({out_shape})")
+    hq, d, dv = q.shape[2], q.shape[3], v.shape[3]
     parts = run_packed(q, k, v, backend, False, True,
                        lambda chosen: forward_parts(chosen, q, k, v, segments, scale, (acc_out, acc_lse)),
                        segments.packed_calls())
@@ -307,7 +308,7 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: 
             vb = v[0].index_select(0, ki).view(g, b.k_len, *v.shape[2:])
             o, lse = block_forward(q[0].index_select(0, qi).view(g, b.q_len, hq, d), kb, vb,
                                    scale=scale, mask=b.mask, backend=backend)
-            _merge_rows(acc_out, acc_lse, qi, o.reshape(-1, hq, d),
+            _merge_rows(acc_out, acc_lse, qi, o.reshape(-1, hq, dv),
                         lse.transpose(0, 1).reshape(hq, -1))
     if acc is not None:
         return acc_out, acc_lse
@@ -320,9 +321,9 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     grad_acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """Gradients of every segment given the FINAL merged ``out``/``lse`` of the rows -> ``(dq, dk, dv)``.
 
-    ``dout``/``out``: ``[1, Tq, Hq, D]`` (``out`` may be the fp32 accumulator, or None
+    ``dout``/``out``: ``[1, Tq, Hq, D_v]`` (``out`` may be the fp32 accumulator, or None
     when ``delta`` = rowsum(dout * out) ``[1, Hq, Tq]`` fp32 is given); ``lse``
-    ``[1, Hq, Tq]``. Returns dq ``[1, Tq, Hq, D]``, dk/dv ``[1, Tk, Hkv, D]`` in the
+    ``[1, Hq, Tq]``. Returns dq ``[1, Tq, Hq, D]``, dk ``[1, Tk, Hkv, D]``, dv ``[1, Tk, Hkv, D_v]`` in the
     input dtype (accumulated in fp32, rounded once); rows in no segment get ``dq = 0``,
     keys in none ``dk = dv = 0``. Summed over all blocks of a row set, they are the
     exact gradient. ``grad_acc=(dq, dk, dv)`` (fp32/fp64, those shapes): add into them
@@ -331,7 +332,8 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     _check_streams(q, k, v, segments)
     check_scale(scale)
     b_, tq, hq, d = q.shape
-    for name, x, shape in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, (1, hq, tq)),
+    o_shape = (b_, tq, hq, v.shape[3])
+    for name, x, shape in (("dout", dout, o_shape), ("out", out, o_shape), ("lse", lse, (1, hq, tq)),
                            ("delta", delta, (1, hq, tq))):
         if x is not None and tuple(x.shape) != tuple(shape):
             raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")

@@ -111,11 +111,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     """Exact softmax attention over a sequence split across the ranks of ``group``.
 
     Shapes (N = ranks in ``group``, ``T_local = T_global / N``):
-        q: ``[B, T_local, Hq, D]``; k, v: ``[B, T_local, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA; K,V
-        are never expanded to Hq heads, on the wire or in the kernels). Each rank passes its own
+        q: ``[B, T_local, Hq, D]``; k: ``[B, T_local, Hkv, D]``; v: ``[B, T_local, Hkv, D_v]`` with
+        ``Hq % Hkv == 0`` (GQA; K,V are never expanded to Hq heads, on the wire or in the kernels).
+        ``D_v`` is usually ``D``; MLA models (DeepSeek-V2/V3: 192/128) use another, and the output,
+        its accumulators and every message then carry ``D_v``. Each rank passes its own
         shard in the layout of ``method``: produce it with ``seqpar.shard(x, method=method)``.
     Returns:
-        ``[B, T_local, Hq, D]`` in q's dtype: this rank's rows of the global attention output, in the
+        ``[B, T_local, Hq, D_v]`` in q's dtype: this rank's rows of the global attention output, in the
         same layout (``seqpar.unshard`` restores global order). Differentiable; gradients come back
         in the input dtypes.
 

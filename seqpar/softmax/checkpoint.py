@@ -50,17 +50,19 @@ class AttentionTape:
     def record(self, out: torch.Tensor, lse) -> None:
         self.entries.append((out, lse, tuple(out.shape)))
 
-    def replay(self, q: torch.Tensor) -> tuple:
-        """The recorded result of the next attention call of the recomputation."""
+    def replay(self, q: torch.Tensor, v: torch.Tensor) -> tuple:
+        """The recorded result of the next attention call of the recomputation (its out:
+        ``[B, T, Hq, D_v]``, q's rows and heads with v's head dim)."""
         if self._next >= len(self.entries):
             raise RuntimeError(
                 f"seqpar.checkpoint: the recomputation called attention {self._next + 1} times, the forward "
                 f"only {len(self.entries)}: the checkpointed function must make the same attention calls"
             )
         out, lse, shape = self.entries[self._next]
-        if tuple(q.shape) != shape or q.dtype != out.dtype:
+        if tuple(q.shape[:3]) + tuple(v.shape[3:]) != shape or q.dtype != out.dtype:
             raise RuntimeError(
-                f"seqpar.checkpoint: attention call {self._next + 1} got q {tuple(q.shape)} {q.dtype} on "
+                f"seqpar.checkpoint: attention call {self._next + 1} got q {tuple(q.shape)} {q.dtype}, v "
+                f"{tuple(v.shape)} on "
                 f"recomputation but recorded out {shape} {out.dtype}: the function is not deterministic"
             )
         self._next += 1

@@ -210,7 +210,7 @@ def saved_heads(key: int, hq: int, hkv: int) -> int:
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, sinks, cu_seqlens, key, heads):
-    out = q.new_empty(q.shape)
+    out = q.new_empty(q.shape[:3] + v.shape[3:])  # [B, T, Hq, D_v]: v's head dim (MLA: D_v != D)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, t, hq, d = q.shape
     if heads == 0:  # ring family: lse

@@ -125,6 +125,7 @@ class _Run:
         self.acc = _acc_dtype(q)
         self.gwire = cfg.grad_comm_dtype or self.acc
         self.shape_q, self.shape_kv = tuple(q.shape), tuple(k.shape)
+        self.dv = v.shape[3]  # D_v: the head dim of v, out, dout and dv (may differ from q's, MLA)
         self.dtype, self.device = q.dtype, q.device
         parts = {"q": q}
         if self.bwd:
@@ -154,7 +155,7 @@ class _Run:
         b, t, hq, d = self.shape_q
         heads = hq if w.heads == "q" else self.shape_kv[2]
         n = t if n is None else n
-        return (b, heads, n) if w.stat else (b, n, heads, d)
+        return (b, heads, n) if w.stat else (b, n, heads, self.dv if w.dim == "v" else d)
 
     @staticmethod
     def _sl(w: Wire, rows: slice) -> tuple:
@@ -165,7 +166,7 @@ class _Run:
     def _zeros(self, what: str) -> tuple:
         """A fresh accumulator for a whole local shard: (out, lse), (dq,) or (dk, dv)."""
         if FOLD[(what, self.bwd)] == "merge":
-            return new_accumulator(self.shape_q, self.device, dtype=self.acc)
+            return new_accumulator(self.shape_q[:3] + (self.dv,), self.device, dtype=self.acc)
         return tuple(torch.zeros(self._part_shape(w), dtype=self.acc, device=self.device) for _, w in self._parts(what))
 
     def _fold(self, acc: tuple, what: str, rows: slice, res: tuple) -> None:
@@ -205,12 +206,9 @@ class _Run:
         return self._pack(what, dict(zip((name for name, _ in self._parts(what)), res)))
 
     def _pack(self, what: str, parts: dict) -> tuple:
-        """The wire tensors of a payload from its named parts (stacked, cast, contiguous)."""
-        out = []
-        for w in self._wires(what):
-            ts = [parts[name].to(self._dtype(w)) for name in w.parts]
-            out.append(torch.stack(ts) if len(ts) > 1 else ts[0].contiguous())
-        return tuple(out)
+        """The wire tensors of a payload from its named parts, one per part (cast and made
+        contiguous only where they are not already: own K,V and fp32 results go as they are)."""
+        return tuple(parts[name].to(self._dtype(w)).contiguous() for name, w in self._parts(what))
 
     # ---------------------------------------------------------------- operands
     def piece(self, what: str, owner: int, rows: slice) -> _Held:
@@ -238,15 +236,13 @@ class _Run:
 
     def buffers(self, m: Move) -> tuple:
         n = m.rows.stop - m.rows.start
-        return tuple(torch.empty(((len(w.parts),) if len(w.parts) > 1 else ()) + self._part_shape(w, n),
-                                 dtype=self._dtype(w), device=self.device) for w in self._wires(m.what))
+        return tuple(torch.empty(self._part_shape(w, n), dtype=self._dtype(w), device=self.device)
+                     for w in self._wires(m.what))
 
     def arrived(self, m: Move, bufs: tuple, ids=()) -> None:
         if self.book is not None:
             self.book.arrived(m.what, m.owner, ids)
-        parts = {}
-        for w, buf in zip(self._wires(m.what), bufs):
-            parts.update(zip(w.parts, buf) if len(w.parts) > 1 else ((w.parts[0], buf),))
+        parts = {name: buf for (name, _), buf in zip(self._parts(m.what), bufs)}
         if m.what in OPERANDS:
             self.incoming.setdefault((m.what, m.owner), []).append(_Held(m.rows.start, parts, bufs))
         else:
@@ -321,7 +317,7 @@ class _Run:
         cfg, segs = self.cfg, b.segments
         if not self.bwd:
             acc = self._rows(self.mine["out"], "out", b.q) if task.q == 0 else \
-                new_accumulator(qp["q"][:, qr].shape, self.device, dtype=self.acc)
+                new_accumulator(qp["q"][:, qr].shape[:3] + (self.dv,), self.device, dtype=self.acc)
             varlen_forward(qp["q"][:, qr], k, v, segs, scale=cfg.scale, backend=cfg.backend, acc=acc)
             if task.q != 0:
                 self.add("out", task.q, b.q, acc)  # cast to the input dtype when sent
@@ -332,7 +328,7 @@ class _Run:
         if task.kv == 0:
             gk, gv = self.mine["dkv"][0][:, b.kv], self.mine["dkv"][1][:, b.kv]
         else:
-            gk, gv = (torch.zeros(k.shape, dtype=self.acc, device=self.device) for _ in range(2))
+            gk, gv = (torch.zeros(x.shape, dtype=self.acc, device=self.device) for x in (k, v))
         varlen_backward(qp["dout"][:, qr], qp["q"][:, qr], k, v, qp["out"][:, qr], qp["lse"][:, :, qr], segs,
                         scale=cfg.scale, backend=cfg.backend, delta=delta, grad_acc=(gq, gk, gv))
         if task.q != 0:
@@ -348,16 +344,18 @@ def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
     sched = cfg.plan.schedule(q.shape[1])
     run = _Run(cfg, sched, q, k, v, dout, out, lse)
     gathered = sched.transport == "allgather" and not info.single
-    if gathered:
-        kv = torch.stack([k, v])
-        kv_all = all_gather_stack(info, kv, stats=cfg.stats, name="allgather_kv", trace=cfg.trace)
+    if gathered:  # K and V gathered as they are (no stacked copy; their head dims may differ)
+        k_all, ids = all_gather_stack(info, k, stats=cfg.stats, name="allgather_kv", trace=cfg.trace), []
+        if cfg.trace is not None:
+            ids.append(cfg.trace.last_id)
+        v_all = all_gather_stack(info, v, stats=cfg.stats, name="allgather_kv", trace=cfg.trace)
         if cfg.stats is not None:  # a ring all-gather passes one shard to the next rank per step
-            cfg.stats.note_step({info.peer(1): nbytes(kv)})
+            cfg.stats.note_step({info.peer(1): nbytes(k, v)})
         for j in range(info.size):
             if j != info.rank:
-                run.held[("kv", (j - info.rank) % info.size)] = [_Held(0, {"k": kv_all[j][0], "v": kv_all[j][1]})]
+                run.held[("kv", (j - info.rank) % info.size)] = [_Held(0, {"k": k_all[j], "v": v_all[j]})]
                 if run.book is not None:
-                    run.book.gathered(("kv", (j - info.rank) % info.size), cfg.trace.last_id)
+                    run.book.gathered(("kv", (j - info.rank) % info.size), *ids, cfg.trace.last_id)
     last = last_use(sched)
     for i, step in enumerate(sched.steps):
         posted = run.post(step.moves)
@@ -374,15 +372,15 @@ def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
     if not run.bwd:
         return run.mine["out"]
     if gathered:  # every member's dK,dV partials, summed onto their owners
-        full = torch.zeros((info.size, 2, *run.shape_kv), dtype=run.acc, device=q.device)
+        full = tuple(torch.zeros((info.size, *x.shape), dtype=run.acc, device=q.device) for x in (k, v))
         for j in range(info.size):
             off = (j - info.rank) % info.size
-            acc = (full[j][0], full[j][1])
             parts = run.partials.pop(("dkv", off), []) + ([(slice(None), run.mine["dkv"])] if off == 0 else [])
             for r, p in parts:
-                run._fold(acc, "dkv", r, p)
-        dkv = reduce_scatter_stack(info, full, stats=cfg.stats, name="reduce_scatter_dkv", trace=cfg.trace)
-        return run.mine["out"][0], dkv[0], dkv[1]
+                run._fold((full[0][j], full[1][j]), "dkv", r, p)
+        dk, dv = (reduce_scatter_stack(info, x, stats=cfg.stats, name="reduce_scatter_dkv", trace=cfg.trace)
+                  for x in full)
+        return run.mine["out"][0], dk, dv
     return run.mine["out"][0], run.mine["dkv"][0], run.mine["dkv"][1]
 
 
@@ -419,7 +417,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, cfg: RingConfig):
         tape = active_tape()
         if tape is not None and tape.replaying:
-            out, lse = tape.replay(q)
+            out, lse = tape.replay(q, v)
             out = out.detach()
         else:
             if cfg.stats is not None:

@@ -10,7 +10,7 @@ next member, -1 the previous one; a schedule is therefore written from the point
 rank and needs no global rank):
 
 - **operands**: ``"q"`` the query bundle of a member (forward: q; backward: q, dout, lse, delta)
-  and ``"kv"`` its K,V (``[2, B, T, Hkv, D]``, never GQA-expanded).
+  and ``"kv"`` its K,V (``[B, T, Hkv, D]`` and ``[B, T, Hkv, D_v]``, never GQA-expanded).
 - **results**: ``"out"`` the partial results for a member's query rows (forward: out and lse;
   backward: dq) and ``"dkv"`` those for its K,V rows (backward only: dK, dV).
 - a :class:`Task` computes :class:`Block` s between the query bundle of member ``q`` and the K,V
@@ -48,34 +48,45 @@ PAYLOADS = OPERANDS + RESULTS
 
 @dataclass(frozen=True)
 class Wire:
-    """One tensor of a message: the named parts stacked in it (one part: not stacked).
+    """One tensor of a message, carrying one named part (``parts``: a 1-tuple; every part travels as
+    its own tensor, so nothing is stacked on send or unstacked on receipt).
 
-    ``stat``: parts are row statistics ``[B, H, T]`` (lse, delta), else rows ``[B, T, H, D]``;
+    ``stat``: the part is a row statistic ``[B, H, T]`` (lse, delta), else rows ``[B, T, H, D]``;
     ``heads``: ``"q"`` (Hq) or ``"kv"`` (Hkv); ``dtype``: ``"input"`` (the inputs' dtype),
-    ``"acc"`` (fp32, fp64 for fp64 input) or ``"grad"`` (the ``grad_comm_dtype`` of gradients)."""
+    ``"acc"`` (fp32, fp64 for fp64 input) or ``"grad"`` (the ``grad_comm_dtype`` of gradients);
+    ``dim``: the head dim of rows, ``"qk"`` (D of q and k) or ``"v"`` (D_v of v and the output,
+    which may differ: MLA models)."""
 
     parts: tuple[str, ...]
     heads: str = "q"
     dtype: str = "input"
     stat: bool = False
+    dim: str = "qk"
 
     @property
     def row_dim(self) -> int:
-        """The dimension that holds the token rows (a stacked wire has a leading part dimension)."""
-        return (2 if self.stat else 1) + (len(self.parts) > 1)
+        """The dimension that holds the token rows."""
+        return 2 if self.stat else 1
 
 
-#: What each payload carries, in forward (False) and backward (True): the message's tensors, and
-#: for results how they fold into an accumulator (``"merge"``: running (out, lse) in fp32;
-#: ``"sum"``: gradients summed in fp32). The executor reads this table instead of branching.
+def _w(part: str, **kw) -> Wire:
+    return Wire((part,), **kw)
+
+
+#: What each payload carries, in forward (False) and backward (True): the message's tensors (one
+#: per part, sent in one batch), and for results how they fold into an accumulator (``"merge"``:
+#: running (out, lse) in fp32; ``"sum"``: gradients summed in fp32). The executor reads this table
+#: instead of branching. ``delta`` travels only with a foreign query bundle (token_ring, lightseq);
+#: where the query rows stay home the block kernels derive it from ``out``.
 WIRES: dict[tuple[str, bool], tuple[Wire, ...]] = {
-    ("q", False): (Wire(("q",)),),
-    ("q", True): (Wire(("q", "dout")), Wire(("lse", "delta"), dtype="acc", stat=True)),
-    ("kv", False): (Wire(("k", "v"), heads="kv"),),
-    ("kv", True): (Wire(("k", "v"), heads="kv"),),
-    ("out", False): (Wire(("out",)), Wire(("lse",), dtype="acc", stat=True)),
-    ("out", True): (Wire(("dq",), dtype="grad"),),
-    ("dkv", True): (Wire(("dk", "dv"), heads="kv", dtype="grad"),),
+    ("q", False): (_w("q"),),
+    ("q", True): (_w("q"), _w("dout", dim="v"), _w("lse", dtype="acc", stat=True),
+                  _w("delta", dtype="acc", stat=True)),
+    ("kv", False): (_w("k", heads="kv"), _w("v", heads="kv", dim="v")),
+    ("kv", True): (_w("k", heads="kv"), _w("v", heads="kv", dim="v")),
+    ("out", False): (_w("out", dim="v"), _w("lse", dtype="acc", stat=True)),
+    ("out", True): (_w("dq", dtype="grad"),),
+    ("dkv", True): (_w("dk", heads="kv", dtype="grad"), _w("dv", heads="kv", dtype="grad", dim="v")),
 }
 FOLD = {("out", False): "merge", ("out", True): "sum", ("dkv", True): "sum"}
 

@@ -12,7 +12,7 @@ import torch
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         softmax_scale: float | None = None, cu_seqlens=None, window: int | None = None,
                         sinks=None) -> torch.Tensor:
-    """Global attention. q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` -> ``[B, T, Hq, D]``.
+    """Global attention. q, k ``[B, T, Hq|Hkv, D]``, v ``[B, T, Hkv, D_v]`` -> ``[B, T, Hq, D_v]``.
 
     ``cu_seqlens`` (int, ``[n_docs + 1]``) restricts attention to within each packed document.
     ``window``: query i sees keys j with ``i - window < j <= i`` (causal) or ``|i - j| < window``.
@@ -45,4 +45,4 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     else:
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key (none here) would be NaN
     o = torch.matmul(p, vt)  # [B, Hkv, g, T, D]
-    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, v.shape[3])

@@ -25,9 +25,9 @@ class RunBook:
         self.batches: dict = {}  # (channel, what) -> deps of each send tensor posted in that batch
         self.incoming: dict = {}  # (what, owner) -> ids of operands that arrived in the current step
 
-    def gathered(self, key: tuple, event: int) -> None:
-        """Operand ``key`` arrived with collective ``event``."""
-        self.operands[key] = [event]
+    def gathered(self, key: tuple, *events: int) -> None:
+        """Operand ``key`` arrived with the collectives ``events`` (K's and V's all-gathers)."""
+        self.operands[key] = list(events)
 
     def needs(self, *keys) -> list:
         """Ids of the events that brought the operands ``keys``."""

@@ -118,23 +118,25 @@ def gqa_segments(q_split: HeadSplit, kv_split: HeadSplit, g: int, m: int) -> tup
 
 def seq_to_heads(axis: GroupInfo, parts, splits, *, stats: CommStats | None, name: str, trace: Trace | None = None):
     """One all-to-all: ``parts[i]`` ``[B, c, H_i, D]`` (sequence shards) -> ``[B, U·c, n_i, D]``
-    (this member's heads of ``splits[i]``, whole Ulysses-axis sequence in member order)."""
+    (this member's heads of ``splits[i]``, whole Ulysses-axis sequence in member order). Each part
+    keeps its own head dim (v's ``D_v`` may differ from q's and k's ``D``: MLA)."""
     if axis.single:
         return list(parts)
     u, me = axis.size, axis.rank
-    b, c, _, d = parts[0].shape
-    sizes = [[b * c * s.count(m) * d for s in splits] for m in range(u)]
+    b, c = parts[0].shape[:2]
+    ds = [x.shape[3] for x in parts]
+    sizes = [[b * c * s.count(m) * d for s, d in zip(splits, ds)] for m in range(u)]
     send = parts[0].new_empty(sum(map(sum, sizes)))
     off = 0
     for m in range(u):
-        for x, s, size in zip(parts, splits, sizes[m]):
+        for x, s, size, d in zip(parts, splits, sizes[m], ds):
             send[off:off + size].view(b, c, s.count(m), d).copy_(x[:, :, s.start[m]:s.stop[m]])
             off += size
     chunk = sum(sizes[me])
     recv = all_to_all(axis, send, input_splits=[sum(x) for x in sizes], output_splits=[chunk] * u,
                       stats=stats, name=name, trace=trace).view(u, chunk)
     outs, off = [], 0
-    for s, size in zip(splits, sizes[me]):
+    for s, size, d in zip(splits, sizes[me], ds):
         n = s.count(me)
         piece = recv[:, off:off + size].view(u, b, c, n, d)  # member m's rows of this rank's heads
         outs.append(rearrange(piece, "u b c n d -> b (u c) n d"))
@@ -151,13 +153,14 @@ def heads_to_seq(axis: GroupInfo, parts, splits, heads, *, stats: CommStats | No
     if axis.single:
         return list(parts)
     u, me = axis.size, axis.rank
-    b, t, _, d = parts[0].shape
+    b, t = parts[0].shape[:2]
+    ds = [x.shape[3] for x in parts]  # each part's own head dim
     c = t // u
-    sizes = [[b * c * s.count(m) * d for s in splits] for m in range(u)]
+    sizes = [[b * c * s.count(m) * d for s, d in zip(splits, ds)] for m in range(u)]
     chunk = sum(sizes[me])
     send = parts[0].new_empty(u * chunk)
     grid, off = send.view(u, chunk), 0
-    for y, size, s in zip(parts, sizes[me], splits):
+    for y, size, s, d in zip(parts, sizes[me], splits, ds):
         n = s.count(me)
         grid[:, off:off + size].view(u, b, c, n, d).copy_(rearrange(y, "b (u c) n d -> u b c n d", u=u))
         off += size
@@ -165,10 +168,10 @@ def heads_to_seq(axis: GroupInfo, parts, splits, heads, *, stats: CommStats | No
                       stats=stats, name=name, trace=trace)
     acc = torch.float64 if parts[0].dtype == torch.float64 else torch.float32
     outs = [parts[0].new_empty(b, c, h, d) if s.disjoint else parts[0].new_zeros(b, c, h, d, dtype=acc)
-            for s, h in zip(splits, heads)]
+            for s, h, d in zip(splits, heads, ds)]
     off = 0
     for m in range(u):
-        for out, s, size in zip(outs, splits, sizes[m]):
+        for out, s, size, d in zip(outs, splits, sizes[m], ds):
             piece = recv[off:off + size].view(b, c, s.count(m), d)
             if s.disjoint:
                 out[:, :, s.start[m]:s.stop[m]] = piece
@@ -331,7 +334,7 @@ class UlyssesAttention(torch.autograd.Function):
             cfg.stats.phase = "fwd"
         tape = active_tape()
         if tape is not None and tape.replaying:
-            out, (outh, lse) = tape.replay(q)
+            out, (outh, lse) = tape.replay(q, v)
             out, saved = out.detach(), (*_qkv_to_heads(q, k, v, cfg), outh, lse)
         else:
             out, saved = ulysses_forward(q, k, v, cfg, sinks)

@@ -66,8 +66,9 @@ def _make_attention(group, method: str, options: dict):
 
     def seqpar_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          is_causal=None, **kwargs):
-        """transformers calls this with q ``(B, Hq, T_local, D)``, k, v ``(B, Hkv, T_local, D)``
-        (KV heads not repeated, and not repeated here either); returns ``((B, T_local, Hq, D), None)``.
+        """transformers calls this with q ``(B, Hq, T_local, D)``, k ``(B, Hkv, T_local, D)``, v
+        ``(B, Hkv, T_local, D_v)`` (KV heads not repeated, and not repeated here either; ``D_v != D``
+        in MLA models such as DeepSeek-V3); returns ``((B, T_local, Hq, D_v), None)``.
         """
         name = type(module).__name__
         if attention_mask is not None:
@@ -134,7 +135,8 @@ def _probe_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     seen = kwargs.get("seqpar_probe")
     if seen is not None:
         seen[id(module)] = {key: kwargs.get(key) for key in ("softcap", "sliding_window")}
-    return query.transpose(1, 2), None  # the right shape; the values do not matter for the probe
+    # the right shape (v's head dim: MLA models' differs from q's); the values do not matter here
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
 
 # ----------------------------------------------------------------------------- model conversion
