@@ -25,7 +25,9 @@ Writes ``DIR/gpu_backends.json`` (rows, correctness, machine, command) and, with
 dispatch table (:func:`seqpar.kernels.dispatch_table.build_table`: per case the backends that ran
 every block, fastest first). ``--table-from`` rebuilds a table from an earlier JSON of this script
 or of ``gpu_kernel_times.py`` (its ``forced_<backend>`` columns) without a GPU. ``--budget-s``
-stops timing new blocks when exceeded (the JSON says which were left out).
+stops timing new blocks when exceeded (the JSON says which were left out). The JSON is rewritten
+after every block (``complete`` false until the end), so a run stopped from outside keeps what it
+timed; a block whose set-up fails is listed under ``failed`` and the run goes on.
 """
 
 from __future__ import annotations
@@ -201,26 +203,47 @@ def write_table(doc: dict, path: str, command: str) -> dict:
     return table
 
 
-def run(args) -> dict:
+def _save(doc: dict, out: Path) -> None:
+    """Write ``out/gpu_backends.json`` (after every block too: a run stopped from outside keeps what
+    it timed, and ``--table-from`` can rebuild the table from it)."""
+    tmp = out / "gpu_backends.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(out / "gpu_backends.json")
+
+
+def run(args, command: str, out: Path) -> dict:
     from gpu_kernel_times import _machine
 
     gen, t0 = torch.Generator().manual_seed(0), time.perf_counter()
     backends = [b for b in args.backends.split(",") if b]
-    doc = {"machine": _machine(), "world_size": args.world_size, "warmup": args.warmup, "reps": args.reps,
-           "checks": [check_backend(b, d) for b in backends for d in (64, 128, 256)], "rows": [], "skipped": []}
-    for c in doc["checks"]:
-        print(c, flush=True)
+    from seqpar.kernels.flash4 import installed_version
+
+    doc = {"command": command, "machine": {**_machine(), "cudnn": torch.backends.cudnn.version(),
+                                           "flash_attn_4": installed_version()},
+           "world_size": args.world_size, "warmup": args.warmup,
+           "reps": args.reps, "checks": [], "rows": [], "skipped": [], "failed": [], "complete": False}
+    for b, d in ((b, d) for b in backends for d in (64, 128, 256)):
+        doc["checks"].append(check_backend(b, d))
+        print(doc["checks"][-1], flush=True)
+        _save(doc, out)
     for cfg in CONFIGS:
         for block in blocks(args.world_size, *cfg):
             if time.perf_counter() - t0 > args.budget_s:
                 doc["skipped"].append([*cfg, *block])
                 continue
-            row = time_block(block, cfg, backends, args, gen)
+            try:
+                row = time_block(block, cfg, backends, args, gen)
+            except (RuntimeError, ValueError) as exc:  # e.g. the reference forward: later blocks still run
+                doc["failed"].append([*cfg, *block, f"{type(exc).__name__}: {exc}"[:300]])
+                print(f"{cfg} {block}: {doc['failed'][-1][-1]}", flush=True)
+                continue
             doc["rows"].append(row)
+            _save(doc, out)
             print(f"{cfg[0]:6d} D={cfg[3]:3d} {block[0]:6d}x{block[1]:<6d} {block[2]:13s} " + "  ".join(
                 f"{p[:3]} {n} {r.get('median_ms', float('nan')):.3f}ms/{r.get('first_ms', float('nan')):.0f}"
                 for p in PASSES for n, r in row[p]["backends"].items()), flush=True)
-    doc["seconds"] = time.perf_counter() - t0
+    doc["seconds"], doc["complete"] = time.perf_counter() - t0, True
+    _save(doc, out)
     return doc
 
 
@@ -246,10 +269,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to time")
         return 0
-    doc = {"command": command, **run(args)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_backends.json").write_text(json.dumps(doc, indent=1) + "\n")
+    doc = run(args, command, out)
     print(f"wrote {out / 'gpu_backends.json'} in {doc['seconds']:.0f} s")
     if args.table:
         write_table(doc, args.table, command)

@@ -1,59 +1,85 @@
 #!/usr/bin/env bash
-# One GPU session for the attention backends (one H100 or H200, about 7 minutes of device time):
+# One GPU session for the attention backends (one H100 or H200), at most SESSION_S seconds (default
+# 530: under the device tool's 600 s limit for one command, the machine's start not counted):
 #
 #   OUT=DIR bash benchmarks/gpu_session_backends.sh        # DIR defaults to /tmp/seqpar_gpu_backends
 #
-# 1. the GPU tests of the backends against float64 (cudnn, flash4, torch_cuda's direct flash calls,
-#    the dispatch order), pytest -m gpu;
+# 1. the GPU tests of the backends against float64 (cudnn, flash4, torch_cuda's direct flash calls
+#    and packed calls, the dispatch order), pytest -m gpu;
 # 2. `seqpar bench --emulate 8` at 64K tokens (zigzag_ring, ring, striped_ring; Llama-3-8B heads,
 #    bf16, causal) with the committed dispatch table: "before";
 # 3. benchmarks/gpu_backends.py: every backend forced on every block the ring, zigzag, striped and
 #    token_ring schedules issue at 8K and 32K tokens per GPU (D = 128, and D = 64 / 256 at 8K),
 #    forward with lse and backward from the merged out / lse, first call apart, TFLOP/s, the
-#    two-step correctness check against float64; it REWRITES seqpar/kernels/dispatch_table.json;
+#    two-step correctness check against float64; it REWRITES seqpar/kernels/dispatch_table.json
+#    (from what it timed, also when it is stopped: its JSON is saved after every block);
 # 4. the same emulation with the regenerated table: "after".
-# Everything lands in $OUT (logs, JSON, the new table); commit the table and the JSON from there.
+# Each step gets what is left of the session minus what the later steps need, and a failing step
+# does not stop the others. $OUT gets 7 files (the device tool returns at most 8): session.log
+# (versions, device, commit, every command, the short logs, the summary), gpu_tests.log,
+# gpu_backends.log, gpu_backends.json, dispatch_table.json, emulate_before.json, emulate_after.json.
+# Commit the table and the JSONs from there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/seqpar_gpu_backends}
+SESSION_S=${SESSION_S:-530}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+LOG="$OUT/session.log"
 start=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/session.log"; }
+stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$LOG"; }
+# seconds for a step: at most $1, leaving $2 for the steps after it (never below 10)
+budget() { local left=$(( SESSION_S - ($(date +%s) - start) - $2 )); (( left > $1 )) && left=$1; (( left < 10 )) && left=10; echo $left; }
+run() { stamp "\$ $*"; "$@"; }
 
-python - <<'EOF' | tee "$OUT/versions.txt"
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
-print("gpu", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-try:
-    import triton; print("triton", triton.__version__)
-except ImportError:
-    print("triton: not installed")
+{
+    echo "command: OUT=$OUT SESSION_S=$SESSION_S bash benchmarks/gpu_session_backends.sh"
+    echo "date: $(date -u)"
+    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo 'unknown (no .git on this machine)')"
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader 2>&1
+    python - <<'EOF'
+import importlib.metadata as md, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "cudnn", torch.backends.cudnn.version())
+print("gpu", *((torch.cuda.get_device_name(), torch.cuda.get_device_capability()) if torch.cuda.is_available() else ["none"]))
+for dist in ("triton", "flash-attn", "flash-attn-4", "nvidia-cutlass-dsl"):
+    try:
+        print(dist, md.version(dist))
+    except md.PackageNotFoundError:
+        print(dist, "not installed")
 EOF
+} 2>&1 | tee -a "$LOG"
 
 stamp "1. GPU tests of the backends"
-timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
-    -k "cudnn or flash4 or torch_cuda or dispatch_per_pass" > "$OUT/gpu_tests.log" 2>&1
+run timeout "$(budget 170 360)" python -m pytest -q -rs -m gpu -p no:cacheprovider \
+    tests/test_kernels.py tests/test_varlen_kernels.py \
+    -k "cudnn or flash4 or torch_cuda or dispatch_per_pass or test_cuda" > "$OUT/gpu_tests.log" 2>&1
 stamp "   rc=$? $(tail -1 "$OUT/gpu_tests.log")"
 
 EMULATE=(--emulate 8 --methods zigzag_ring,ring,striped_ring --seq-lens 65536 --heads 32 --kv-heads 8
          --head-dim 128 --dtype bfloat16 --causal yes --repeats 3 --warmup 1 --no-progress)
 stamp "2. emulate before (committed table)"
-cp seqpar/kernels/dispatch_table.json "$OUT/dispatch_table_before.json"
-timeout 100 python -m seqpar bench "${EMULATE[@]}" --json "$OUT/emulate_before.json" > "$OUT/emulate_before.log" 2>&1
+run timeout "$(budget 80 280)" python -m seqpar bench "${EMULATE[@]}" --json "$OUT/emulate_before.json" >> "$LOG" 2>&1
 stamp "   rc=$?"
 
 stamp "3. every backend on every block; writes the dispatch table"
-timeout 330 python benchmarks/gpu_backends.py --out "$OUT" --table seqpar/kernels/dispatch_table.json \
-    --budget-s 240 > "$OUT/gpu_backends.log" 2>&1
-stamp "   rc=$? $(tail -1 "$OUT/gpu_backends.log")"
+t3=$(budget 300 80)
+run timeout "$t3" python benchmarks/gpu_backends.py --out "$OUT" --table seqpar/kernels/dispatch_table.json \
+    --budget-s $(( t3 - 60 )) > "$OUT/gpu_backends.log" 2>&1
+rc=$?
+stamp "   rc=$rc $(tail -1 "$OUT/gpu_backends.log")"
+if [ $rc -ne 0 ] && [ -s "$OUT/gpu_backends.json" ]; then  # stopped: the table from the blocks it timed
+    run timeout 60 python benchmarks/gpu_backends.py --table-from "$OUT/gpu_backends.json" \
+        --table seqpar/kernels/dispatch_table.json >> "$LOG" 2>&1
+    stamp "   table from the saved blocks: rc=$?"
+fi
 cp seqpar/kernels/dispatch_table.json "$OUT/dispatch_table.json"
 
 stamp "4. emulate after (regenerated table)"
-timeout 100 python -m seqpar bench "${EMULATE[@]}" --json "$OUT/emulate_after.json" > "$OUT/emulate_after.log" 2>&1
+run timeout "$(budget 80 15)" python -m seqpar bench "${EMULATE[@]}" --json "$OUT/emulate_after.json" >> "$LOG" 2>&1
 stamp "   rc=$?"
 
-python - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
+python - "$OUT" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
@@ -61,15 +87,17 @@ for name in ("emulate_before", "emulate_after"):
     p = out / f"{name}.json"
     if p.exists():
         for r in json.loads(p.read_text())["rows"]:
-            print(f"{name}: {r['method']:12s} busiest rank {r.get('slowest_ms', float('nan')):8.1f} ms")
+            print(f"{name}: {r['method']:12s} busiest rank {r.get('slowest_ms') or float('nan'):8.1f} ms")
 p = out / "gpu_backends.json"
 if p.exists():
     doc = json.loads(p.read_text())
+    print("gpu_backends complete:", doc.get("complete"), "rows", len(doc["rows"]), "skipped", len(doc["skipped"]),
+          "failed", doc.get("failed"))
     for c in doc["checks"]:
         print("check", c["backend"], c["head_dim"], "ok" if c.get("ok") else c.get("error") or c.get("errors"))
     for row in doc["rows"]:
         if (row["tokens_per_rank"], row["rows"], row["keys"], row["mask"], row["head_dim"]) == (8192, 8192, 8192, "none", 128):
             for p_ in ("forward", "backward"):
-                print(p_, "8K x 8K none D=128:", {n: round(r.get("tflops", 0)) for n, r in row[p_]["backends"].items()})
+                print(p_, "8K x 8K none D=128 TFLOP/s:", {n: round(r.get("tflops", 0)) for n, r in row[p_]["backends"].items()})
 EOF
 stamp "done"

@@ -105,6 +105,33 @@ def test_table_refuses_a_json_that_lacks_a_case_field(bench, tmp_path, drop):
         bench.measurements(doc)
 
 
+def test_run_keeps_what_it_timed(bench, tmp_path, monkeypatch):
+    """The JSON is rewritten after every block (a run stopped from outside keeps its rows), a block
+    whose set-up fails is listed and the run goes on, the budget skips the rest."""
+    import gpu_kernel_times
+
+    seen = []
+
+    def time_block(block, cfg, backends, args, gen):
+        if block[2] == "causal":
+            raise RuntimeError("CUDA error: an illegal memory access")
+        seen.append(json.loads((tmp_path / "gpu_backends.json").read_text())["rows"])
+        return {"block": list(block), "forward": {"backends": {}}, "backward": {"backends": {}}}
+
+    monkeypatch.setattr(gpu_kernel_times, "_machine", lambda: {"capability": [9, 0]})
+    monkeypatch.setattr(bench, "check_backend", lambda b, d: {"backend": b, "head_dim": d, "ok": True})
+    monkeypatch.setattr(bench, "time_block", time_block)
+    monkeypatch.setattr(bench, "CONFIGS", ((64, 4, 2, 64),))
+    monkeypatch.setattr(bench, "blocks", lambda *a: [(64, 64, "causal"), (64, 64, "none"), (64, 32, "none")])
+    args = bench.argparse.Namespace(backends="triton", world_size=2, warmup=1, reps=1, budget_s=1e9)
+    doc = bench.run(args, "cmd", tmp_path)
+    assert seen == [[], [{"block": [64, 64, "none"], "forward": {"backends": {}}, "backward": {"backends": {}}}]]
+    assert doc["complete"] and [f[4:7] for f in doc["failed"]] == [[64, 64, "causal"]] and len(doc["rows"]) == 2
+    assert json.loads((tmp_path / "gpu_backends.json").read_text()) == doc
+    args.budget_s = -1.0
+    assert len(bench.run(args, "cmd", tmp_path)["skipped"]) == 3
+
+
 def test_committed_table_is_the_committed_measurement(bench, tmp_path):
     """seqpar/kernels/dispatch_table.json is what its stored command gives from the committed JSON."""
     committed = json.loads((ROOT / "seqpar/kernels/dispatch_table.json").read_text())
