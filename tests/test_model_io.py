@@ -218,6 +218,29 @@ def test_fsdp_shards_load_and_export(tmp_path, world, tied, sharded):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export.tmp")]
 
 
+def test_export_failing_midway_leaves_nothing(tmp_path, monkeypatch):
+    """The second safetensors shard fails to write (disk full): RuntimeError naming --export-hf, and
+    neither the export folder nor its temporary folder is left behind."""
+    import safetensors.torch
+
+    path = llama_folder(tmp_path / "m")
+    folder = load_folder(path)
+    model = build_meta_model(folder.config)
+    load_sharded_weights(model, folder)
+    real, calls = safetensors.torch.save_file, []
+
+    def failing(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    with pytest.raises(RuntimeError, match="--export-hf: writing .*out failed: OSError: .*No space left"):
+        export_hf(model, tmp_path / "out", config=folder.config, max_shard_size="20KB")
+    assert len(calls) >= 2 and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
 def _export_into(out: str):
     model = build_meta_model(load_folder(out + "/../m").config)
     export_hf(model, out, config=model.config)

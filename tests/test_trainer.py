@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +94,30 @@ def test_resume_with_another_cp_degree_skips_partial_checkpoints(runs):
     _close(cp2.losses, cp4.losses, [4, 5])
     assert [cp2.losses[s] for s in (1, 2, 3)] == [cp4.losses[s] for s in (1, 2, 3)]  # history restored
     assert trainer_ckpt.latest_checkpoint(save) == save / "step_00000005"
+
+
+def test_checkpoint_failing_midway_leaves_no_step(tmp_path, monkeypatch):
+    """DCP fails after writing part of the state: no step folder appears, the latest complete
+    checkpoint stays the one before, and the next save of the same step succeeds."""
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    first = trainer_ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1})
+    real = dcp.save
+
+    def failing(state, checkpoint_id, **kwargs):
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", failing)
+    with pytest.raises(OSError, match="No space left"):
+        trainer_ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {"step": 2})
+    assert not trainer_ckpt.step_dir(tmp_path, 2).exists()
+    assert trainer_ckpt.latest_checkpoint(tmp_path) == first
+    monkeypatch.setattr(dcp, "save", real)
+    second = trainer_ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {"step": 2})
+    assert trainer_ckpt.latest_checkpoint(tmp_path) == second and trainer_ckpt.is_complete(second)
 
 
 def _final_state(tmp, checkpoint):
