@@ -543,21 +543,52 @@ def _bad_inputs():
                                                   cu_seqlens=seqpar.packed_layout([0, 4 * n * n], method="ring",
                                                                                   split="stream")),
     }
+    hf_calls, restore = _hf_adapter_bad_calls(rank, n)
+    calls.update(hf_calls)
     out = []
-    for label, call in calls.items():
-        try:
-            call()
-            out.append((label, None, ""))
-        except Exception as exc:  # noqa: BLE001 - the test inspects every rank's exception
-            out.append((label, type(exc).__name__, str(exc)))
+    try:
+        for label, call in calls.items():
+            try:
+                call()
+                out.append((label, None, ""))
+            except Exception as exc:  # noqa: BLE001 - the test inspects every rank's exception
+                out.append((label, type(exc).__name__, str(exc)))
+    finally:
+        restore()
     return out
+
+
+class _Attention(torch.nn.Module):
+    is_causal = True
+
+
+def _hf_adapter_bad_calls(rank, n):
+    """The substituted HF attention function called as a model's layer calls it: attention dropout,
+    a padding mask on one rank only, a bad heads_k_stride. Returns (calls, what restores the substitution)."""
+    import torch.distributed as dist
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    hf, before = rfa.adapters.hf_adapter, ALL_ATTENTION_FUNCTIONS.get("flash_attention_2")
+    hf.substitute_hf_flash_attn(process_group=dist.group.WORLD, heads_k_stride=1)
+    hf.update_ring_flash_attn_params(torch.tensor([0, 3, 4 * n], dtype=torch.int32), dist.group.WORLD)
+    attn = ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
+    q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8)  # (1, H, T_local, D) as the layer passes them
+    mask = torch.ones(1, 4, dtype=torch.long)
+    if rank == n - 1:
+        mask[0, -1] = 0
+    return {"HF dropout": lambda: attn(_Attention(), q, k, k, None, dropout=0.1),
+            "HF one rank's padding mask": lambda: attn(_Attention(), q, k, k, mask),
+            "HF heads_k_stride": lambda: hf.substitute_hf_flash_attn(dist.group.WORLD, heads_k_stride=0)}, \
+        lambda: ALL_ATTENTION_FUNCTIONS.__setitem__("flash_attention_2", before)
 
 
 EXPECTED = {"dropout_p": "dropout_p=0.1", "alibi_slopes": "alibi_slopes", "window_size": "symmetric",
             "qkv": r"qkv has shape", "cu_seqlens": "multiple of 2N", "varlen dropout_p": "dropout_p=0.5",
             "heads_k_stride": "heads_k_stride=3", "local_k_slice": "local_k_slice|rank", "prepare": "multiple of the",
             "update_ring_flash_attn_params": "multiple of the", "one rank's dropout_p": "dropout_p=0.1",
-            "one rank's cu_seqlens": "multiple of 2N", "stream method": "method='ring'"}
+            "one rank's cu_seqlens": "multiple of 2N", "stream method": "method='ring'",
+            "HF dropout": "dropout: _Attention", "HF one rank's padding mask": "attention_mask: _Attention",
+            "HF heads_k_stride": "heads_k_stride=0"}
 
 
 @pytest.mark.parametrize("n", [2, 3])
