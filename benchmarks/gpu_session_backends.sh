@@ -53,7 +53,7 @@ EOF
 stamp "1. GPU tests of the backends"
 run timeout "$(budget 170 360)" python -m pytest -q -rs -m gpu -p no:cacheprovider \
     tests/test_kernels.py tests/test_varlen_kernels.py \
-    -k "cudnn or flash4 or torch_cuda or dispatch_per_pass or test_cuda" > "$OUT/gpu_tests.log" 2>&1
+    -k "fused_backends or torch_cuda or dispatch_per_pass or test_cuda" > "$OUT/gpu_tests.log" 2>&1
 stamp "   rc=$? $(tail -1 "$OUT/gpu_tests.log")"
 
 EMULATE=(--emulate 8 --methods zigzag_ring,ring,striped_ring --seq-lens 65536 --heads 32 --kv-heads 8

@@ -592,33 +592,20 @@ def test_flash_attn(mask, hq, hkv, tq, tk, dtype):
 @pytest.mark.parametrize("tq,tk", LENGTHS.values(), ids=LENGTHS.keys())
 @pytest.mark.parametrize("hq,hkv", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("mask", MASKS)
-def test_cudnn(mask, hq, hkv, tq, tk, dtype):
-    """torch's cuDNN attention forced: forward, and backward from the merged out / lse, against float64."""
+@pytest.mark.parametrize("backend", ["cudnn", "flash4"])
+def test_fused_backends(backend, mask, hq, hkv, tq, tk, dtype):
+    """torch's cuDNN attention and FlashAttention-4 forced: forward, and backward from the merged
+    out / lse, against float64 (skipped with the backend's reason where it refuses, e.g. flash4 not
+    installed)."""
     q = torch.empty(1, tq, hq, 64, dtype=dtype, device="cuda")
     k = torch.empty(1, tk, hkv, 64, dtype=dtype, device="cuda")
     from seqpar.kernels.cudnn import CudnnBackend
-
-    why = CudnnBackend().refusal(q, k, k, mask, True, True)
-    if why:
-        pytest.skip(f"cudnn refuses here: {why}")
-    _gpu_case("cudnn", mask, hq, hkv, tq, tk, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("tq,tk", LENGTHS.values(), ids=LENGTHS.keys())
-@pytest.mark.parametrize("hq,hkv", HEADS.values(), ids=HEADS.keys())
-@pytest.mark.parametrize("mask", MASKS)
-def test_flash4(mask, hq, hkv, tq, tk, dtype):
-    pytest.importorskip("flash_attn.cute")
-    q = torch.empty(1, tq, hq, 64, dtype=dtype, device="cuda")
-    k = torch.empty(1, tk, hkv, 64, dtype=dtype, device="cuda")
     from seqpar.kernels.flash4 import Flash4Backend
 
-    why = Flash4Backend().refusal(q, k, k, mask, True, True)
+    why = {"cudnn": CudnnBackend, "flash4": Flash4Backend}[backend]().refusal(q, k, k, mask, True, True)
     if why:
-        pytest.skip(f"flash4 refuses here: {why}")
-    _gpu_case("flash4", mask, hq, hkv, tq, tk, dtype)
+        pytest.skip(f"{backend} refuses here: {why}")
+    _gpu_case(backend, mask, hq, hkv, tq, tk, dtype)
 
 
 @pytest.mark.gpu
