@@ -67,6 +67,7 @@ def main():
         output_dir=args.output, per_device_train_batch_size=args.batch, max_steps=args.steps,
         learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(), torch_compile=args.compile, remove_unused_columns=False,
+        ddp_find_unused_parameters=False,  # every parameter is used (the Trainer's default warns at every step)
         **(dict(fsdp=True, fsdp_config={"version": 2}) if args.fsdp else {}))
     options = {"ulysses_degree": args.ulysses_degree} if args.ulysses_degree else None
     trainer = ContextParallelTrainer(
