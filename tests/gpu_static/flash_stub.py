@@ -68,7 +68,9 @@ def interface_source(version: str) -> Path | str:
             detail = stderr[-1] if stderr else f"{type(exc).__name__}: {exc}"
             return f"flash-attn {version} sources not cached in {target.parent} and not downloadable: {detail}"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(text)
+    partial = target.with_suffix(f".{os.getpid()}.part")  # atomic: a concurrent or killed run never
+    partial.write_bytes(text)  # leaves a half-written file in the cache
+    partial.replace(target)
     return target
 
 
