@@ -96,13 +96,16 @@ def _two_turns(path, method, prefill, combine, batch, seed):
     ref_bytes, cp_bytes = _kv_bytes(r1.cache), cache.kv_bytes()
     r2 = ref.generate(torch.cat([r1.sequences, more], 1), cache=r1.cache, **kw)
     o2 = model.generate(torch.cat([o1.sequences, more], 1), cache=cache, **kw)
+    t1, t2 = o1.sequences.shape[1], o2.sequences.shape[1]  # decoded slots: t1 - 1 and t2 - 1 never fed
     return {"tokens": torch.equal(o1.sequences, r1.sequences) and torch.equal(o2.sequences, r2.sequences),
             "logits": _relative(o1.logits + o2.logits, r1.logits + r2.logits),
             "scores": _relative(o1.scores + o2.scores, r1.scores + r2.scores),
             "history": [(h["phase"], h["prefill"], h["combine"]) for h in cache.history],
             "ref_bytes": ref_bytes, "cp_bytes": cp_bytes, "comm": cache.comm_summary(),
             "per_token_bytes": 2 * ref.config.num_hidden_layers * batch * ref.config.num_key_value_heads
-            * ref.config.head_dim * 4, "sequence": o2.sequences}
+            * ref.config.head_dim * 4, "sequence": o2.sequences, "length": t2 - 1,
+            "decoded": set(range(PROMPT, t1 - 1)) | set(range(t1 + TURN, t2 - 1)),
+            "slots": cache.layers[0].positions.tolist()}
 
 
 def _cases(cases):
@@ -116,7 +119,7 @@ CASES_2 = [("llama", "zigzag_ring", "pass_kv", "allgather", 1, 0), ("llama", "ri
            ("windowed", "striped_ring", "pass_q", "allgather", 1, 2),
            ("windowed", "zigzag_ring", "pass_kv", "tree", 1, 3), ("llama", "token_ring", "auto", "auto", 1, 4),
            ("mistral", "zigzag_ring", "pass_q", "tree", 1, 10)]
-CASES_3 = [("llama", "zigzag_ring", "pass_q", "tree", 1, 5), ("windowed", "allgather_kv", "pass_kv", "allgather", 1, 6),
+CASES_3 = [("llama", "zigzag_ring", "pass_q", "tree", 1, 5), ("windowed", "allgather_kv", "pass_kv", "allgather", 2, 6),
            ("gemma3", "ring", "pass_kv", "allgather", 1, 11)]
 CASES_4 = CASES_2 + [("windowed", "lightseq", "pass_q", "tree", 2, 7), ("llama", "ulysses", "pass_kv", "tree", 1, 8),
                      ("llama", "usp", "pass_q", "allgather", 1, 9)]
@@ -144,6 +147,10 @@ def _check(results, cases, n):
             assert total == per_rank[0]["ref_bytes"], case
             per_token = per_rank[0]["per_token_bytes"]
             assert max(r["cp_bytes"] for r in per_rank) <= total / n + 2 * per_token, case
+            # after both turns: every position on one rank only, decoded ones on member p mod N (round robin)
+            assert sorted(sum((r["slots"] for r in per_rank), [])) == list(range(per_rank[0]["length"])), case
+            for rank, r in enumerate(per_rank):
+                assert {p for p in r["slots"] if p in r["decoded"]} == {p for p in r["decoded"] if p % n == rank}
         comm = per_rank[0]["comm"]
         assert comm["prefill_bytes"] > 0 and comm["decode_bytes_per_token"] > 0
 
@@ -195,6 +202,8 @@ def _bad_inputs(path):
         "not converted": lambda: plain.generate(ids, cache=ShardedCache(), max_new_tokens=2),
         "default cache": lambda: model.generate(ids, cache=DynamicCache(), max_new_tokens=2),
         "gradients": lambda: model(ids, cache=ShardedCache()),
+        # 12 tokens: a multiple of 2N, so each rank's whole prompt would pass for a zigzag shard
+        "no cache": lambda: model.generate(ids[:, :12], use_cache=False, max_new_tokens=2, pad_token_id=0),
         "bad choice": lambda: ShardedCache(prefill="ring"),
     }
     got = {}
@@ -219,7 +228,8 @@ def test_sampling_same_tokens_on_every_rank(folders):
 def test_bad_input_raises_on_every_rank(folders):
     expected = {"padding mask": "attention_mask", "other group": "one ShardedCache per group",
                 "not converted": "apply_context_parallel", "default cache": "ShardedCache(group=...)",
-                "gradients": "for inference", "bad choice": "prefill='ring'"}
+                "gradients": "for inference", "bad choice": "prefill='ring'",
+                "no cache": "use_cache=False: generate() on a context-parallel model"}
     for got in run_distributed(_bad_inputs, 2, folders["llama"], timeout=180):
         for name, fragment in expected.items():
             assert got[name] is not None and fragment in got[name], (name, got[name])
@@ -319,15 +329,9 @@ def test_local_partial_matches_float64(window):
     q = torch.randn(2, len(rows), 4, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, pos.numel(), 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
     out, lse = local_partial(q, query_runs(rows), k, v, pos, scale=0.3, window=window)
+    ref, ref_lse = _dense(q, rows, k, v, pos, window)
     qp, kp = torch.tensor(rows)[:, None], pos[None, :]
-    seen = (kp <= qp) & ((kp > qp - window) if window else True)
-    kk, vv = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * 0.3
-    scores = scores.masked_fill(~seen, float("-inf"))
-    ref_lse = torch.logsumexp(scores, -1)
-    probs = torch.where(seen, torch.exp(scores - ref_lse[..., None]), 0.0)
-    ref = torch.einsum("bhqk,bkhd->bqhd", probs, vv)
-    some = seen.any(-1)  # rows that see a slot; the others: out 0, lse -inf
+    some = ((kp <= qp) & ((kp > qp - window) if window else True)).any(-1)  # rows that see a slot; others: out 0, lse -inf
     assert torch.allclose(out[:, some], ref[:, some], atol=1e-12, rtol=1e-10)
     assert torch.allclose(lse[..., some], ref_lse[..., some], atol=1e-12)
     assert torch.all(torch.isneginf(lse[..., ~some])) and torch.all(out[:, ~some] == 0)

@@ -93,6 +93,9 @@ def parse_args(argv: list[str]) -> GenerateConfig:
         p.error(f"--nproc {a.nproc}: pass 1 or more ranks")
     if a.max_new_tokens < 1:
         p.error(f"--max-new-tokens {a.max_new_tokens}: pass 1 or more")
+    if not (Path(a.model) / "config.json").is_file():
+        p.error(f"--model {a.model}: no config.json there; pass a local transformers model folder "
+                "(config.json, weights, tokenizer files)")
     if not Path(a.prompt_file).is_file():
         p.error(f"--prompt-file {a.prompt_file}: no such file; pass a text file holding the prompt")
     return GenerateConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(GenerateConfig)})

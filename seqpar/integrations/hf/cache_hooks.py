@@ -51,10 +51,17 @@ def _cache_of(kwargs: dict):
 
 
 def _keep_hook(module, args, kwargs):
-    """On the ``*ForCausalLM``: pass ``logits_to_keep`` down to the decoder model's hook."""
-    if isinstance(_cache_of(kwargs), ShardedCache):
-        keep = kwargs.get("logits_to_keep", 0)
-        kwargs["seqpar_keep"] = keep if isinstance(keep, int) else 0
+    """On the ``*ForCausalLM``: pass ``logits_to_keep`` down to the decoder model's hook, and refuse
+    ``generate(use_cache=False)``: its forwards (no cache, ``use_cache=False``, ``logits_to_keep=1``,
+    no gradients) would feed every rank the whole sequence as if it were a shard (wrong results)."""
+    cache, keep = _cache_of(kwargs), kwargs.get("logits_to_keep", 0)
+    keep = keep if isinstance(keep, int) else 0
+    if isinstance(cache, ShardedCache):
+        kwargs["seqpar_keep"] = keep
+    elif cache is None and not args and kwargs.get("use_cache") is False and keep == 1 and not torch.is_grad_enabled():
+        raise ValueError(
+            "use_cache=False: generate() on a context-parallel model needs its K,V in a ShardedCache; pass "
+            "cache=ShardedCache(group=...) (the group given to apply_context_parallel) and leave use_cache on")
     return args, kwargs
 
 
@@ -72,8 +79,8 @@ def _pre_hook(binding, base):
         if not isinstance(cache, ShardedCache):
             raise ValueError(
                 f"past_key_values: a context-parallel model keeps its K,V in a ShardedCache, got {type(cache).__name__}; "
-                "pass past_key_values=ShardedCache(group=...) to generate() (the group given to apply_context_parallel), "
-                "or call the model with use_cache=False")
+                "pass cache=ShardedCache(group=...) to generate() (the group given to apply_context_parallel); a "
+                "forward on the shards of shard_inputs (training) takes use_cache=False")
         if args:  # everything by name from here on
             kwargs = dict(signature.bind_partial(*args, **kwargs).arguments)
             kwargs.update(kwargs.pop("kwargs", {}))
