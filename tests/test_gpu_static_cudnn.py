@@ -175,3 +175,45 @@ def test_arrange_keeps_unlisted_backends_in_place():
     key = TableKey("sm90", "forward", "none", "square", "bf16", 128)
     assert [b.name for b in table.arrange(ranked, key)] == ["flash_attn", "cudnn", "torch_cuda", "triton", "torch_cpu"]
     assert [b.name for b in table.arrange(ranked, None)] == [b.name for b in ranked]
+
+
+@pytest.mark.parametrize("message, demoted", [
+    ("cuDNN Frontend error: [cudnn_frontend] Error: No execution plans support the graph.", True),
+    ("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED", True),
+    ("cuDNN Frontend error: [cudnn_frontend] Error: CUDNN_STATUS_EXECUTION_FAILED", False),
+    ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", False),
+    ("CUDA error: an illegal memory access was encountered", False),
+    ("CUDA error: no kernel image is available for execution on the device", True),
+])
+def test_graph_refusals_demote(message, demoted):
+    """cuDNN refusing a graph for a case is a launch failure (dispatch demotes cudnn for it); a failed
+    run, an allocation failure or a memory fault propagate."""
+    from seqpar.kernels.cudnn import CudnnBackend
+
+    assert (CudnnBackend().launch_failure(RuntimeError(message)) is not None) == demoted
+    assert CudnnBackend().launch_failure(ValueError(message)) is None
+
+
+def test_table_first_cudnn_demoted_on_graph_refusal(monkeypatch):
+    """Measured first but refused by cuDNN at graph build on this machine: the block runs on the
+    next backend with a warning, and later blocks of the case skip cudnn (demotion survives the table)."""
+    from seqpar.kernels.fallback import FAILED_KERNELS
+
+    monkeypatch.setattr(dispatch, "TABLE", _table(("sm90", "forward", "causal", "square", ["cudnn", "torch_cuda"])))
+    cudnn = next(b for b in dispatch.BACKENDS if b.name == "cudnn")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: [cudnn_frontend] Error: No execution plans support the graph.")
+
+    monkeypatch.setattr(cudnn, "forward", refuse)
+    try:
+        with fake_cuda((9, 0)):
+            q = cuda_tensor(1, 64, 8, 128, dtype=torch.bfloat16)
+            k = cuda_tensor(1, 64, 2, 128, dtype=torch.bfloat16)
+            assert select_backend(q, k, k, mask="causal").name == "cudnn"
+            with pytest.warns(RuntimeWarning, match="'cudnn' attention kernel failed"):
+                out, lse = block_forward(q, k, k, scale=0.1, mask="causal")
+            assert out.shape == q.shape and lse.shape == (1, 8, 64)
+            assert select_backend(q, k, k, mask="causal").name != "cudnn"
+    finally:
+        FAILED_KERNELS.clear()

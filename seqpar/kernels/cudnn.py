@@ -30,10 +30,15 @@ from __future__ import annotations
 
 import torch
 
-from .base import HALF_DTYPES, Backend, Capabilities
+from .base import HALF_DTYPES, Backend, Capabilities, launch_failure
 from .torch_ops import _kernel_view
 
 aten = torch.ops.aten
+#: cuDNN refusing a graph before anything runs (torch raises ``"cuDNN Frontend error: ..."`` when a graph
+#: fails to validate, build or find an execution plan; ``CUDNN_STATUS_NOT_SUPPORTED`` from the backend API)
+_GRAPH_REFUSALS = ("cudnn frontend error", "cudnn_status_not_supported")
+#: ... but not a failed run or allocation, which must propagate like any other CUDA error
+_NOT_REFUSALS = ("execution_failed", "alloc_failed", "out of memory", "illegal")
 
 MIN_CUDNN = 90000  # cuDNN 9.0: the fused flash attention forward and backward torch calls
 
@@ -74,6 +79,15 @@ class CudnnBackend(Backend):
         if cap < (8, 0):
             return f"cuDNN's fused attention needs compute capability >= 8.0, got {cap}"
         return None
+
+    def launch_failure(self, exc: BaseException) -> str | None:
+        """Also cuDNN refusing to build a graph for this case (a shape, layout or cuDNN version it
+        has no engine for): dispatch then demotes it for the case instead of failing the run."""
+        text = str(exc).lower()
+        if (isinstance(exc, RuntimeError) and any(m in text for m in _GRAPH_REFUSALS)
+                and not any(m in text for m in _NOT_REFUSALS)):
+            return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"[:300]
+        return launch_failure(exc)
 
     def forward(self, q, k, v, *, scale: float, causal: bool):
         b, tq, hq, _ = q.shape
