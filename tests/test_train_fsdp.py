@@ -95,6 +95,7 @@ def test_four_ranks_store_a_quarter(folders, runs):
     start4, steps4, end4 = _records(folders, "four")
     params = start1["params"]
     assert start4["params"] == params and 3_000_000 < params < 4_000_000
+    assert all(isinstance(r[k], int) for r, k in [(start4, "param_bytes_local"), (end4, "optim_bytes_local")])
     full = params * 4  # fp32
     assert start1["param_bytes_local"] == full and end1["optim_bytes_local"] >= 2 * full  # one process: all
     assert start4["param_bytes_local"] <= SHARE * full + MIB, start4["param_bytes_local"] / full

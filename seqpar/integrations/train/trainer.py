@@ -167,7 +167,7 @@ def _start(cfg: TrainConfig) -> _Run:
                TrainResult(), None, runner, num_params=sum(p.numel() for p in params),
                shape=attention_shape(model.config), peak=peak_flops(rt.device, cfg.dtype))
     _resume(cfg, run)
-    param_bytes = max_over_ranks(local_bytes(params), rt, "parameter bytes all-reduce")
+    param_bytes = int(max_over_ranks(local_bytes(params), rt, "parameter bytes all-reduce"))  # bytes: an int
     mode = "adaptive" if cfg.adaptive else f"cp={cfg.context_parallel} ({cfg.cp_method}) x dp={rt.dp}"
     source = f"model {cfg.model}" if cfg.model else "random weights"
     shards = "one process, unsharded" if rt.mesh is None else (
@@ -249,7 +249,7 @@ def _train_step(run: _Run, step: int, autocast) -> dict:
 def _finish(run: _Run) -> None:
     """End record (optimizer bytes), and ``--export-hf`` gathered from the shards (collective)."""
     cfg = run.cfg
-    optim = max_over_ranks(optimizer_bytes(run.optimizer), run.rt, "optimizer bytes all-reduce")
+    optim = int(max_over_ranks(optimizer_bytes(run.optimizer), run.rt, "optimizer bytes all-reduce"))
     if cfg.export_hf:
         from .model_io import export_hf
 
