@@ -105,7 +105,8 @@ def _two_turns(path, method, prefill, combine, batch, seed):
             "per_token_bytes": 2 * ref.config.num_hidden_layers * batch * ref.config.num_key_value_heads
             * ref.config.head_dim * 4, "sequence": o2.sequences, "length": t2 - 1,
             "decoded": set(range(PROMPT, t1 - 1)) | set(range(t1 + TURN, t2 - 1)),
-            "slots": cache.layers[0].positions.tolist()}
+            "slots": cache.layers[0].positions.tolist(),
+            "shape": (ref.config.num_hidden_layers, batch, ref.config.num_attention_heads, ref.config.head_dim)}
 
 
 def _cases(cases):
@@ -152,7 +153,17 @@ def _check(results, cases, n):
             for rank, r in enumerate(per_rank):
                 assert {p for p in r["slots"] if p in r["decoded"]} == {p for p in r["decoded"] if p % n == rank}
         comm = per_rank[0]["comm"]
-        assert comm["prefill_bytes"] > 0 and comm["decode_bytes_per_token"] > 0
+        assert comm["prefill_bytes"] > 0 and comm["decode_bytes_per_token"] == _decode_bytes(n, decodes, per_rank[0])
+
+
+def _decode_bytes(n, combines, got) -> int:
+    """Bytes a rank sends per decoded token (CommStats: an all-gather (N-1)·m, an all-reduce
+    2(N-1)·m/N): the token check's all-reduce of 2B float64, then per layer the all-gather of the
+    fp32 (out, lse) [B, 1, Hq, D + 1] or the tree's two all-reduces (lse max [B, Hq, 1], the sums)."""
+    layers, b, hq, d = got["shape"]
+    partial = b * hq * (d + 1) * 4
+    per_layer = (n - 1) * partial if combines == {"allgather"} else 2 * (n - 1) * (b * hq * 4) // n + 2 * (n - 1) * partial // n
+    return 2 * (n - 1) * 16 * b // n + layers * per_layer
 
 
 def test_generate_matches_single_process_n2(folders):
