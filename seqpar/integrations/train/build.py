@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ...comm.collectives import peer_errors
 from .config import TrainConfig, load_model_config
+from .model_io import local_index
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,6 @@ def random_init(model, seed: int) -> None:
     """Matrices ~ N(0, initializer_range) (the padding row of an embedding zero), 1-D weights (norms) 1,
     biases and other vectors 0; each parameter drawn whole from ``(seed, its first name)`` and this
     rank's rows copied in (tied weights once)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     std = getattr(config, "initializer_range", None) or 0.02
     seen = set()
@@ -122,11 +121,8 @@ def random_init(model, seed: int) -> None:
         seen.add(id(p))
         owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         full = _full_init(name, owner, tuple(p.shape), std, seed).to(p.dtype)
-        if isinstance(p, DTensor):
-            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-            p.to_local().copy_(local)
-        else:
-            p.copy_(full)
+        index, local = local_index(p)  # this rank's rows of the whole value (FSDP2's uneven last shard too)
+        local.copy_(full[index])
 
 
 def local_bytes(tensors) -> int:

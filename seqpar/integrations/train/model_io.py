@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -184,19 +185,36 @@ def _aliases(model) -> list[tuple[list[str], torch.Tensor]]:
     return list(groups.values())
 
 
-def _local_index(tensor: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
-    """The slice of the global tensor this rank holds, and the local tensor to write into."""
-    from torch.distributed.tensor import DTensor
+def local_index(tensor: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
+    """The slice of the global tensor this rank holds, and the local tensor to write into.
+
+    For FSDP2's DTensors (``Shard`` and ``Replicate`` placements): each ``Shard(d)`` mesh dim cuts dim
+    ``d`` the way ``torch.chunk`` does (pieces of ``ceil(n / size)``, the last ones shorter or empty),
+    at this rank's index in that mesh dim's group. The index comes from the group
+    (``dist.get_rank(group)``) rather than from the mesh's cached coordinate.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(tensor, DTensor):
         return tuple(slice(0, n) for n in tensor.shape), tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    mesh = tensor.device_mesh
+    start, stop = [0] * tensor.dim(), list(tensor.shape)
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, Shard):
+            raise ValueError(f"model: a parameter placed as {placement} (only Shard and Replicate, as FSDP2 places "
+                             "them, can be filled from a checkpoint here)")
+        d, size = placement.dim, mesh.size(mesh_dim)
+        index = dist.get_rank(mesh.get_group(mesh_dim))
+        piece = -(-(stop[d] - start[d]) // size)
+        lo = min(start[d] + index * piece, stop[d])
+        start[d], stop[d] = lo, min(lo + piece, stop[d])
     local = tensor.to_local()
-    if tuple(local.shape) != tuple(shape):
-        raise RuntimeError(f"local shard shape {tuple(local.shape)} != expected {tuple(shape)}")
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape)), local
+    shape = tuple(b - a for a, b in zip(start, stop))
+    if tuple(local.shape) != shape:
+        raise RuntimeError(f"local shard shape {tuple(local.shape)} != expected {shape}")
+    return tuple(slice(a, b) for a, b in zip(start, stop)), local
 
 
 def materialize(model, device=None, argument: str = "--model") -> None:
@@ -267,7 +285,7 @@ def load_sharded_weights(model, folder: ModelFolder | str | os.PathLike, *, devi
         if shape != list(tensor.shape):
             raise ValueError(f"{argument}: {found} has shape {shape} in {folder.path} but the model built "
                              f"from its config.json expects {list(tensor.shape)}")
-        index, local = _local_index(tensor)
+        index, local = local_index(tensor)
         if local.numel():
             local.copy_(reader.read(found, index))
         used.add(found)
