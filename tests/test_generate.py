@@ -320,7 +320,20 @@ def _cache_api(path):
     r3, o3 = ref.generate(first[:1], **hs), model.generate(first[:1], cache=ShardedCache(), **hs)
     got["eos"] = torch.equal(r3.sequences, o3.sequences) and r3.sequences.shape[1] < PROMPT + 6
     got["hidden"] = all(_relative(a, b) <= REL_TOL for a, b in zip(o3.hidden_states[0], r3.hidden_states[0]))
+    # a forward that raises after layer 0 stored its slots: the next call on the cache drops them
+    cache, fail = ShardedCache(), model.model.layers[1].register_forward_pre_hook(_raise)
+    try:
+        model.generate(first, cache=cache, **kw)
+    except RuntimeError:
+        pass
+    fail.remove()
+    o4 = model.generate(first, cache=cache, max_new_tokens=4, **kw)
+    got["after a failed forward"] = torch.equal(o4.sequences, r.sequences) and _relative(o4.logits, r.logits) <= REL_TOL
     return got
+
+
+def _raise(*args):
+    raise RuntimeError("a fault injected by the test")
 
 
 def test_cache_api_matches_transformers(folders):

@@ -287,6 +287,14 @@ class ShardedCache(Cache):
             raise ValueError(f"layer {idx}: its sliding window changed from {layer.window} to {window} on the same cache")
         return layer
 
+    def discard_unfinished(self) -> None:
+        """Drop the slots of a forward that raised part-way (its post-hook never ran: ``step`` still
+        set), so the cache is as after its last finished forward."""
+        if self.step is not None:
+            for layer in self.layers:
+                layer._keep(layer.positions < self.length)
+            self.step = None
+
     def finish(self) -> None:
         """Called after the model's forward: the new tokens are in; windows drop what they no longer need."""
         step, self.step = self.step, None

@@ -126,6 +126,7 @@ def _prepare(cache: ShardedCache, binding, kwargs: dict, keep: int) -> None:
     x = ids if ids is not None else embeds
     if x is None:
         raise ValueError("input_ids: a forward on a ShardedCache needs input_ids or inputs_embeds")
+    cache.discard_unfinished()
     _check_call(cache, kwargs, x)
     cache.bind(group, method, options)
     if cache.check_tokens and not cache.info.single and x.shape[1] > 0:
