@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "activations, attention buffers, loss, FSDP buffers), and what fits a device.")
     a = p.add_argument
     a("--model", required=True, help=f"a known name ({', '.join(KNOWN_MODELS)}), a config.json or a model folder")
-    a("--seq", default=None, help="tokens per sequence, e.g. 131072, 128k, 1m (k = 1024)")
+    a("--seq", "--seq-len", dest="seq", default=None,  # --seq-len: seqpar train's spelling
+      help="tokens per sequence, e.g. 131072, 128k, 1m (k = 1024)")
     a("--world", type=int, default=8, help="ranks (GPUs) in all: dp x cp (default 8)")
     a("--cp", type=int, default=None, help="context-parallel ranks per sequence (default: --world)")
     a("--method", default="zigzag_ring", help=f"attention method ({', '.join(METHODS)})")
@@ -99,10 +100,13 @@ def _print_table(report: dict) -> None:
     if "plan" in report:
         p = report["plan"]
         s = p["setup"]
-        t = Table(title=f"seqpar memory: {report['model']} ({report['params'] / 1e9:.3g}B params), "
-                  f"{human_tokens(s['seq'])} tokens x {s['micro_batch']}, world {s['world']} = dp {p['dp']} x cp "
-                  f"{s['cp']}, {s['method']}, checkpointing {s['checkpointing']}, {s['dtype']}; per rank, "
-                  f"at the peak ({p['peak_phase']})")
+        n = report["params"]
+        count = f"{n / 1e9:.3g}B" if n >= 1e8 else f"{n / 1e6:.3g}M" if n >= 1e5 else f"{n:,}"
+        # the header above the table, not its title: rich wraps a title to the (narrow) table's width
+        console.print(f"seqpar memory: {report['model']} ({count} params), {human_tokens(s['seq'])} tokens x "
+                      f"{s['micro_batch']}, world {s['world']} = dp {p['dp']} x cp {s['cp']}, {s['method']}, "
+                      f"checkpointing {s['checkpointing']}, {s['dtype']}; per rank, at the peak ({p['peak_phase']})")
+        t = Table()
         t.add_column("component")
         t.add_column("bytes", justify="right")
         t.add_column("share", justify="right")
