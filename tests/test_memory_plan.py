@@ -127,8 +127,8 @@ def test_cli_table_json_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "activations" in out and "fits" in out and "longest sequence" in out
     assert png.stat().st_size > 10_000
-    assert main(["--model", "llama3-8b", "--seq", "128k", "--world", "8", "--device-memory", "80GB", "--search",
-                 "--json"]) == 0
+    assert main(["--model", "llama3-8b", "--seq-len", "128k", "--world", "8", "--device-memory", "80GB", "--search",
+                 "--json"]) == 0  # --seq-len: seqpar train's spelling of --seq
     report = json.loads(capsys.readouterr().out)
     assert report["plan"]["setup"]["seq"] == 131072 and report["fits"] is False
     assert report["search"]["best"]["peak_bytes"] <= report["limit_bytes"]
