@@ -517,20 +517,27 @@ def _t(*shape, dtype=torch.float32, device="cpu"):
         (_t(2, 4, 4, 8), _t(2, 4, 4, 8), _t(1, 4, 4, 8), r"^k .* and v .* differ in batch"),
         (_t(2, 4, 4, 8), _t(2, 4, 4, 8), _t(2, 5, 4, 8), r"^k .* and v .* differ in sequence length"),
         (_t(2, 4, 4, 8), _t(2, 4, 2, 8), _t(2, 4, 4, 8), r"^k .* and v .* differ in heads"),
-        (_t(2, 4, 4, 8), _t(2, 4, 4, 8), _t(2, 4, 4, 16), r"^k .* and v .* differ in head dim"),
         (_t(2, 4, 4, 8), _t(3, 4, 4, 8), _t(3, 4, 4, 8), r"^q batch 2 != k batch 3"),
         (_t(2, 4, 4, 8), _t(2, 4, 4, 16), _t(2, 4, 4, 16), r"^q head dim 8 != k head dim 16"),
         (_t(2, 4, 6, 8), _t(2, 4, 4, 8), _t(2, 4, 4, 8), r"^q has 6 heads and k has 4"),
         (_t(2, 4, 4, 8), _t(2, 4, 4, 8, dtype=torch.float64), _t(2, 4, 4, 8, dtype=torch.float64), r"^k dtype"),
         (_t(2, 4, 4, 8), _t(2, 4, 4, 8, device="meta"), _t(2, 4, 4, 8, device="meta"), r"^k is on meta"),
     ],
-    ids=["q3d", "k3d", "v5d", "kv_batch", "kv_seq", "kv_heads", "kv_dim", "qk_batch", "qk_dim", "heads", "dtype", "device"],
+    ids=["q3d", "k3d", "v5d", "kv_batch", "kv_seq", "kv_heads", "qk_batch", "qk_dim", "heads", "dtype", "device"],
 )
 def test_check_qkv_errors(q, k, v, pattern):
     with pytest.raises(ValueError, match=pattern):
         check_qkv(q, k, v)
     with pytest.raises(ValueError, match=pattern):
         block_forward(q, k, v, scale=0.1)
+
+
+def test_check_qkv_takes_a_value_head_dim_of_its_own():
+    """V's head dim may differ from Q and K's (MLA: DeepSeek-V3's 192 / 128); the output takes V's."""
+    q, k, v = torch.randn(2, 4, 4, 8), torch.randn(2, 4, 4, 8), torch.randn(2, 4, 4, 16)
+    check_qkv(q, k, v)
+    out, lse = block_forward(q, k, v, scale=0.1)
+    assert out.shape == (2, 4, 4, 16) and lse.shape[-1] == 4
 
 
 def test_plan_block():
