@@ -20,31 +20,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import FP32_TOL, world
+from test_window import _err, _reference  # the float64 reference per document, with windows and sinks
 
 import seqpar
 from seqpar.comm.usp_groups import make_usp_groups
 from seqpar.kernels import Band, block_backward, block_forward, select_backend
 from seqpar.methods import DECLARED
-from seqpar.softmax.reference import reference_attention
 from seqpar.testing import run_distributed
 
 METHODS = tuple(m.name for m in DECLARED if m.softmax)
 D, DV = 24, 12
 KV_PASSING = ("ring", "zigzag_ring", "striped_ring", "allgather_kv")
-
-
-def _reference(glob, causal, window, cu=None, sinks=None):
-    q, k, v = (t.double().clone().requires_grad_() for t in glob[:3])
-    s = None if sinks is None else sinks.detach().double().clone().requires_grad_()
-    docs = [(0, q.shape[1])] if cu is None else list(zip(cu, cu[1:]))
-    out = torch.cat([reference_attention(q[:, a:b], k[:, a:b], v[:, a:b], causal=causal, window=window, sinks=s)
-                     for a, b in docs], dim=1)
-    out.backward(glob[3].double())
-    return (out.detach(), q.grad, k.grad, v.grad) + (() if s is None else (s.grad,))
-
-
-def _err(got, ref):
-    return float((got.double() - ref).abs().max() / max(float(ref.abs().max()), 1.0))
 
 
 def _one(method, kw, causal, window, lens, sinks_on, ckpt, dv, seed):
