@@ -128,7 +128,8 @@ def _compare(refs, model, logits, loss, batch):
 
 
 def _cp_matches_single(kind, method, B, T, seed):
-    ref = _build(kind, seed)
+    """``kind``: a model family of :func:`_build`, or a function ``seed -> model`` (e.g. test_mla's)."""
+    ref = kind(seed) if callable(kind) else _build(kind, seed)
     model = apply_context_parallel(copy.deepcopy(ref), method=method)
     ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
     refs = _references(ref, ids)

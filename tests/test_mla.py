@@ -14,7 +14,6 @@ D_v = 128) through every softmax method.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -172,24 +171,9 @@ def _deepseek(seed):
     return model
 
 
-def _deepseek_matches_single(method, B, T, seed):
-    from test_hf import VOCAB, _compare, _references
-
-    from seqpar.integrations.hf import apply_context_parallel, context_parallel_loss, shard_inputs
-    ref = _deepseek(seed)
-    model = apply_context_parallel(copy.deepcopy(ref), method=method)
-    ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
-    refs = _references(ref, ids)
-    batch = shard_inputs(ids, method=method)
-    logits = model(**batch.model_kwargs()).logits
-    loss = context_parallel_loss(logits, batch.labels)
-    loss.backward()
-    return _compare(refs, model, logits, loss, batch), batch.token_index.tolist()
-
-
 @pytest.mark.parametrize("method", ["zigzag_ring", "ulysses"])
 def test_deepseek_v3_matches_single_process(method):
     """A tiny DeepseekV3ForCausalLM (q 24 = 16 + 8 rotary, v 12), N = 2: logits, loss and every
     parameter gradient as the single-process model (bounds of test_hf)."""
-    from test_hf import _check
-    _check(run_distributed(_deepseek_matches_single, 2, method, 2, 24, 13, timeout=300), 24)
+    from test_hf import _check, _cp_matches_single
+    _check(run_distributed(_cp_matches_single, 2, _deepseek, method, 2, 24, 13, timeout=300), 24)
