@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -97,6 +98,35 @@ class _SentBytes:
         dist.P2POp = Counted
 
 
+# Ops that only make views or bare allocations (no data written), and the communication calls.
+_NO_WRITE = {"alias", "transpose", "slice", "split", "squeeze", "unsqueeze", "view", "select", "narrow",
+             "expand", "permute", "_unsafe_view", "as_strided", "t", "detach", "unbind", "lift_fresh",
+             "empty", "empty_like", "new_empty", "empty_strided", "scalar_tensor", "send", "recv_", "recv",
+             "barrier", "allreduce_", "_local_scalar_dense"}
+
+
+class _Writes(TorchDispatchMode):
+    """Bytes of the tensors every aten op of a step writes (outputs of out-of-place ops, the written
+    tensor of in-place ones), views, bare allocations and communication left out; a ``copy_`` of a
+    tensor onto itself (``a[i] += x`` ends in one) is skipped by torch and not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes, self.ops = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _NO_WRITE:
+            return out
+        if name == "copy_" and args[0].data_ptr() == args[1].data_ptr() and args[0].stride() == args[1].stride():
+            return out
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        self.bytes += sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
+        self.ops += 1
+        return out
+
+
 def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -141,7 +171,12 @@ def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
                 dist.barrier()  # the step ends when both ranks have finished it
                 times[name].append(time.perf_counter() - t0)
                 nbytes[name] = sent.total - before
-        results.append({"hkv": hkv, "times": times, "bytes_sent": nbytes, "max_abs_diff": diff})
+        written = {}
+        for name, fn in steps.items():  # one more step each, every op's writes counted
+            with _Writes() as w:
+                fn()
+            written[name] = {"bytes": w.bytes, "ops": w.ops}
+        results.append({"hkv": hkv, "times": times, "bytes_sent": nbytes, "written": written, "max_abs_diff": diff})
     queue.put((rank, results))
     dist.destroy_process_group()
 
@@ -199,6 +234,8 @@ def run(cfg: dict) -> dict:
                      "median_seqpar_s": statistics.median(t["seqpar"]), "median_peer_s": statistics.median(t["peer"]),
                      "ratios": ratios, "median_ratio": statistics.median(ratios),
                      "bytes_sent_per_rank": {name: [r["bytes_sent"][name] for r in res] for name in t},
+                     "bytes_written_per_rank": {name: [r["written"][name]["bytes"] for r in res] for name in t},
+                     "ops_per_rank": {name: [r["written"][name]["ops"] for r in res] for name in t},
                      "max_abs_diff": max(r["max_abs_diff"] for r in res)})
     return {"config": cfg, "rows": rows, "versions": _versions(), "machine": _machine(),
             "loadavg_start": load0, "loadavg_end": _load()}
@@ -222,8 +259,10 @@ def report(data: dict) -> str:
              "seqpar's CPU block kernel (torch_cpu) under both (ring-flash-attention through a `flash_attn` shim: "
              "benchmarks/peer_side_by_side.py). Runs alternate, order swapped each round; ratio = seqpar / peer "
              "per round, then the median. Bytes: every tensor handed to isend, per rank per step (seqpar's 56 more: "
-             "the 7-number agreement check of its arguments across ranks before each call). Max rel diff: seqpar's "
-             "out, dq, dk, dv against the peer's.", ""]
+             "the 7-number agreement check of its arguments across ranks before each call). Written: the bytes every "
+             "aten op of one step writes (views, bare allocations, self-copies and communication left out; the "
+             "block kernel's own writes, the same calls in both, included), per rank, and the number of those "
+             "ops: a count, not a clock. Max rel diff: seqpar's out, dq, dk, dv against the peer's.", ""]
     for label, run_ in data.items():
         c, v, m = run_["config"], run_["versions"], run_["machine"]
         lines += [f"## {label}: seqpar {v['seqpar_commit']}", "",
@@ -233,14 +272,17 @@ def report(data: dict) -> str:
                   f"{', '.join(f'{x:.1f}' for x in run_['loadavg_end'])} at the end. torch {v['torch']}, "
                   f"ring-flash-attn {v['ring_flash_attn']}, Python {v['python']}.", "",
                   "| Hkv | seqpar s/step (median) | peer s/step (median) | seqpar / peer per round | median ratio "
-                  "| bytes sent per rank, seqpar | peer | max rel diff |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| bytes sent per rank, seqpar | peer | MB written per rank, seqpar | peer | ops, seqpar | peer "
+                  "| max rel diff |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in run_["rows"]:
-            b = r["bytes_sent_per_rank"]
+            b, w, n = r["bytes_sent_per_rank"], r.get("bytes_written_per_rank"), r.get("ops_per_rank")
+            mb = (lambda name: ", ".join(f"{x / 1e6:.1f}" for x in w[name])) if w else (lambda name: "n/a")
+            ops = (lambda name: ", ".join(str(x) for x in n[name])) if n else (lambda name: "n/a")
             lines.append(f"| {r['hkv']} | {r['median_seqpar_s']:.2f} | {r['median_peer_s']:.2f} | "
                          f"{', '.join(f'{x:.3f}' for x in r['ratios'])} | {r['median_ratio']:.3f} | "
                          f"{', '.join(str(x) for x in b['seqpar'])} | {', '.join(str(x) for x in b['peer'])} | "
-                         f"{r['max_abs_diff']:.1e} |")
+                         f"{mb('seqpar')} | {mb('peer')} | {ops('seqpar')} | {ops('peer')} | {r['max_abs_diff']:.1e} |")
         lines += ["", f"Command: `{run_['command']}`", ""]
     return "\n".join(lines)
 

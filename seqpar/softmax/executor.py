@@ -40,6 +40,7 @@ from ..kernels import block_backward, block_forward, block_forward_into, merge_,
 from ..kernels.varlen import varlen_backward, varlen_forward
 from ..tracing import Trace, begin, end
 from .checkpoint import active_tape
+from .foreign import foreign_delta
 from .messages import indexed_moves, last_use, message_tag
 from .plans import FOLD, OPERANDS, WIRES, Move, RingPlan, Schedule, Task, Wire
 from .sinks import apply_sinks, sinks_grad
@@ -74,31 +75,14 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _own(r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``r`` in ``dtype`` as a tensor of the executor's own, to be added into in place."""
+    t = r.to(dtype)
+    return t if t is not r or r._base is None else r.clone()
+
+
 def _narrow(x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
     return x if (start, stop) == (0, x.shape[dim]) else x.narrow(dim, start, stop - start)
-
-
-def _surrogate_out(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """An ``out`` with ``rowsum(dout * out) == delta``, for block kernels that derive delta from
-    ``out`` (torch's CPU and CUDA ops): a foreign query bundle travels with delta (Hq numbers per
-    row) instead of out (Hq·D). out enters those backward ops only through that row sum. Built from
-    ``dout / max|dout|`` so it neither overflows nor underflows (checked: fp32 gradients within
-    2e-7 of the ones computed from the true out)."""
-    d = dout.to(delta.dtype)
-    m = d.abs().amax(-1, keepdim=True)
-    u = torch.where(m > 0, d / m, 0.0)
-    denom = m * (u * u).sum(-1, keepdim=True)
-    return u * torch.where(m > 0, delta.transpose(1, 2).unsqueeze(-1) / denom, 0.0)
-
-
-def _foreign_delta(task: Task, qp: dict, qr: slice):
-    """For a foreign query bundle (delta travelled instead of out): delta of rows ``qr``, with a
-    surrogate ``out`` stored once in the bundle for kernels that need one. None for own rows."""
-    if task.q == 0:
-        return None
-    if "out" not in qp:
-        qp["out"] = _surrogate_out(qp["dout"], qp["delta"])
-    return qp["delta"][:, :, qr]
 
 
 class _Held:
@@ -134,9 +118,8 @@ class _Run:
         self.held = {("q", 0): [_Held(0, parts)], ("kv", 0): [_Held(0, {"k": k, "v": v})]}
         self.incoming: dict = {}  # operands that arrived in the current step, held from the next
         self.partials: dict = {}  # (what, owner) -> [(rows, result tensors)] for other members' rows
-        self.mine: dict = {"out": self._zeros("out")}
-        if self.bwd:
-            self.mine["dkv"] = self._zeros("dkv")
+        # this rank's accumulators; None until a result arrives (see _fold: no zero fill to add onto)
+        self.mine: dict = {"out": None, "dkv": None} if self.bwd else {"out": self._zeros("out")}
         self.book = RunBook() if cfg.trace is not None else None
 
     # ---------------------------------------------------------------- payload geometry (plans.WIRES)
@@ -169,16 +152,31 @@ class _Run:
             return new_accumulator(self.shape_q[:3] + (self.dv,), self.device, dtype=self.acc)
         return tuple(torch.zeros(self._part_shape(w), dtype=self.acc, device=self.device) for _, w in self._parts(what))
 
-    def _fold(self, acc: tuple, what: str, rows: slice, res: tuple) -> None:
+    def _fold(self, acc: tuple | None, what: str, rows: slice, res: tuple) -> tuple:
+        """``acc`` with the result ``res`` of rows ``rows`` folded in. ``acc`` None (nothing yet): a
+        result that covers every row becomes the accumulator (cast, or taken as it is: kernel
+        outputs and received buffers are fresh tensors), as ring-flash-attention starts its sums;
+        otherwise a zero accumulator is made first."""
+        parts = self._parts(what)
+        if acc is None and all(tuple(r.shape) == self._part_shape(w) for (_, w), r in zip(parts, res)):
+            return tuple(_own(r, self.acc) for r in res)
+        acc = self._zeros(what) if acc is None else acc
         if FOLD[(what, self.bwd)] == "merge":
             merge_(acc[0][:, rows], acc[1][:, :, rows], res[0], res[1])
         else:
-            for (_, w), a, r in zip(self._parts(what), acc, res):
-                a[self._sl(w, rows)] += r
+            for (_, w), a, r in zip(parts, acc, res):
+                a[self._sl(w, rows)].add_(r)
+        return acc
+
+    def own(self, what: str) -> tuple:
+        """This rank's accumulator of ``what``, made (zeros) if no result has arrived."""
+        if self.mine[what] is None:
+            self.mine[what] = self._zeros(what)
+        return self.mine[what]
 
     def add(self, what: str, owner: int, rows: slice, res: tuple) -> None:
         if owner == 0:
-            self._fold(self.mine[what], what, rows, res)
+            self.mine[what] = self._fold(self.mine[what], what, rows, res)
         else:
             self.partials.setdefault((what, owner), []).append((rows, res))
 
@@ -188,8 +186,8 @@ class _Run:
     def take(self, what: str, owner: int, rows: slice) -> tuple:
         """Hand over the results for ``owner``'s rows ``rows``, as they travel."""
         if owner == 0:  # the ring carries this rank's own dK,dV accumulator: send it, start afresh
-            res = self._rows(self.mine[what], what, rows)
-            self.mine[what] = self._zeros(what)
+            res = self._rows(self.own(what), what, rows)
+            self.mine[what] = None
         else:
             kept = self.partials.pop((what, owner), [])
             inside = [rows.start <= r.start and r.stop <= rows.stop for r, _ in kept]
@@ -199,10 +197,10 @@ class _Run:
             if len(parts) == 1 and parts[0][0] == rows:  # one block's result: send it as computed
                 res = parts[0][1]
             else:
-                acc = self._zeros(what)
+                acc = None
                 for r, p in parts:
-                    self._fold(acc, what, r, p)
-                res = self._rows(acc, what, rows)
+                    acc = self._fold(acc, what, r, p)
+                res = self._rows(acc if acc is not None else self._zeros(what), what, rows)
         return self._pack(what, dict(zip((name for name, _ in self._parts(what)), res)))
 
     def _pack(self, what: str, parts: dict) -> tuple:
@@ -305,7 +303,7 @@ class _Run:
             o, lse = block_forward(qp["q"][:, qr], k, v, scale=cfg.scale, mask=b.mask, backend=cfg.backend)
             self.add("out", task.q, b.q, (o, lse))
         else:
-            delta = _foreign_delta(task, qp, qr)
+            delta = foreign_delta(task, qp, qr)
             gq, gk, gv = block_backward(qp["dout"][:, qr], qp["q"][:, qr], k, v, qp["out"][:, qr], qp["lse"][:, :, qr],
                                         scale=cfg.scale, mask=b.mask, backend=cfg.backend, delta=delta)
             self.add("out", task.q, b.q, (gq,))
@@ -322,11 +320,11 @@ class _Run:
             if task.q != 0:
                 self.add("out", task.q, b.q, acc)  # cast to the input dtype when sent
             return
-        delta = _foreign_delta(task, qp, qr)
-        gq = self.mine["out"][0][:, b.q] if task.q == 0 else \
+        delta = foreign_delta(task, qp, qr)
+        gq = self.own("out")[0][:, b.q] if task.q == 0 else \
             torch.zeros(qp["q"][:, qr].shape, dtype=self.acc, device=self.device)
         if task.kv == 0:
-            gk, gv = self.mine["dkv"][0][:, b.kv], self.mine["dkv"][1][:, b.kv]
+            gk, gv = self.own("dkv")[0][:, b.kv], self.own("dkv")[1][:, b.kv]
         else:
             gk, gv = (torch.zeros(x.shape, dtype=self.acc, device=self.device) for x in (k, v))
         varlen_backward(qp["dout"][:, qr], qp["q"][:, qr], k, v, qp["out"][:, qr], qp["lse"][:, :, qr], segs,
@@ -375,13 +373,13 @@ def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
         full = tuple(torch.zeros((info.size, *x.shape), dtype=run.acc, device=q.device) for x in (k, v))
         for j in range(info.size):
             off = (j - info.rank) % info.size
-            parts = run.partials.pop(("dkv", off), []) + ([(slice(None), run.mine["dkv"])] if off == 0 else [])
+            parts = run.partials.pop(("dkv", off), []) + ([(slice(None), run.own("dkv"))] if off == 0 else [])
             for r, p in parts:
                 run._fold((full[0][j], full[1][j]), "dkv", r, p)
         dk, dv = (reduce_scatter_stack(info, x, stats=cfg.stats, name="reduce_scatter_dkv", trace=cfg.trace)
                   for x in full)
-        return run.mine["out"][0], dk, dv
-    return run.mine["out"][0], run.mine["dkv"][0], run.mine["dkv"][1]
+        return run.own("out")[0], dk, dv
+    return run.own("out")[0], *run.own("dkv")
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: RingConfig):
