@@ -191,7 +191,8 @@ class _Run:
         else:
             kept = self.partials.pop((what, owner), [])
             inside = [rows.start <= r.start and r.stop <= rows.stop for r, _ in kept]
-            parts = [p for p, keep in zip(kept, inside) if keep]
+            # the widest first: a part that covers every row becomes the sum (no zero fill, see _fold)
+            parts = sorted((p for p, keep in zip(kept, inside) if keep), key=lambda p: p[0].start - p[0].stop)
             if len(parts) < len(kept):  # results of other row ranges leave in their own moves
                 self.partials[(what, owner)] = [p for p, keep in zip(kept, inside) if not keep]
             if len(parts) == 1 and parts[0][0] == rows:  # one block's result: send it as computed
