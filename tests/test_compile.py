@@ -174,35 +174,6 @@ def _recorders():
     return True
 
 
-def _linear_between_graphs():
-    """seqpar.linear_attention under torch.compile runs between two graphs: fullgraph=False equals
-    eager (one counted graph break), fullgraph=True raises naming the reason."""
-    from torch._dynamo.utils import counters
-
-    gen = torch.Generator().manual_seed(6)
-    q, k, v, dy = (seqpar.shard(torch.randn(1, 16, 2, 8, generator=gen), method="zeco") for _ in range(4))
-    g = seqpar.shard(-torch.rand(1, 16, 2, 8, generator=gen), method="zeco")
-
-    def fn(q, k, v, g):
-        o, _ = seqpar.linear_attention(q.sin(), k * 2, v, g, method="zeco")
-        return o.cos()
-
-    results = []
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        counters.clear()
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g)]
-        f = torch.compile(fn, backend="aot_eager") if compiled else fn
-        f(*leaves).backward(dy)
-        results.append([t.grad for t in leaves])
-    assert counters["graph_break"], "expected the documented graph break around linear_attention"
-    assert all(torch.equal(a, b) for a, b in zip(*results))
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="linear_attention runs outside"):
-        torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v, g)
-    return True
-
-
 def _shard_mesh_unshard():
     """Inside compiled code: seqpar.shard (local indexing) compiles with fullgraph=True; attention
     over a 1-D DeviceMesh compiles and equals eager; seqpar.unshard (a collective) runs between two
@@ -243,7 +214,7 @@ def _dynamic_lengths():
 
 
 def _after_cases():
-    return _recorders() and _linear_between_graphs() and _shard_mesh_unshard() and _dynamic_lengths()
+    return _recorders() and _shard_mesh_unshard() and _dynamic_lengths()
 
 
 def _cases(cases, backend, fullgraph):
@@ -344,8 +315,8 @@ OPTIONS = [("zigzag_ring", False, 5, False), ("ulysses", True, 4, False), ("ring
 def test_every_method_aot_eager(n, cases):
     """Every method, dense at N = 2 and packed at N = 3, a window and sinks: fullgraph=True; then
     (same processes, N = 2) stats, trace and seqpar.checkpoint around a compiled block, the rank
-    agreement, linear attention and unshard between two graphs, shard, a DeviceMesh group, and
-    sequence lengths that change between calls."""
+    agreement, unshard between two graphs, shard, a DeviceMesh group, and sequence lengths that
+    change between calls (seqpar.linear_attention: tests/test_compile_linear.py)."""
     _check(_fresh(n, cases, "aot_eager", True, timeout=600, then=_after_cases if n == 2 else None))
 
 

@@ -12,6 +12,7 @@ from ..comm.groups import group_info
 from ..comm.stats import CommStats
 from ..tracing import Trace, begin, end, resolve
 from .geometry import build_shard, check_cu_seqlens
+from .compiled import compiled_linear
 from .kernels import fla_refusal, select_kernel
 from .ops import LinearConfig, LinearSPFunction
 from .plans import resolve_plan
@@ -113,43 +114,55 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     ``trace``: a :class:`seqpar.Trace` that records this rank's kernels and messages, forward and
     backward (default: the enclosing ``with seqpar.trace(...)`` block's, else none).
 
+    Under ``torch.compile`` (``fullgraph=True`` too, any backend) the call is one opaque op each way
+    (``seqpar::linear_attention_fwd`` / ``_bwd``, :mod:`seqpar.linear.compiled`): the rank check,
+    ``stats`` and ``trace`` behave as in eager mode. One device on CUDA runs seqpar's own chunk kernels
+    there, not flash-linear-attention's.
+
     Raises ``ValueError`` naming the argument before any communication for bad input;
     :class:`seqpar.PeerError` when a peer rank crashes or times out during the call.
     """
     arguments = dict(locals())  # every parameter: the rank agreement covers an option added later too
-    if torch.compiler.is_compiling():  # torch.compile: run between two graphs (see _between_graphs)
-        return _between_graphs(arguments)
+    if torch.compiler.is_compiling():  # torch.compile: the call is one opaque op (seqpar.linear.compiled)
+        return compiled_linear(arguments, _setup)
     return _linear(arguments)
 
 
 def _linear(arguments: dict):
     """:func:`linear_attention` once its arguments are captured."""
-    q, k, v, g, group, trace = (arguments[n] for n in ("q", "k", "v", "g", "group", "trace"))
+    q, k, v, g, initial_state = (arguments[n] for n in ("q", "k", "v", "g", "initial_state"))
+    trace = resolve(arguments["trace"])
+    begin(trace, "linear fwd")
+    return _launch(q, k, v, g, initial_state, *_checked(arguments, trace))
+
+
+def _checked(arguments: dict, trace, first: bool = True):
+    """Every check of a call (:func:`_prepare`), and unless ``first`` is False (the compiled backward
+    op: the forward checked across ranks already) the rank agreement or the packed offsets' check."""
+    q, k, v, g, group = (arguments[n] for n in ("q", "k", "v", "g", "group"))
     method, scale, initial_state, output_final_state, cu_seqlens, stats, backend, check_ranks = (
         arguments[n] for n in ("method", "scale", "initial_state", "output_final_state", "cu_seqlens", "stats",
                                "backend", "check_ranks"))
-    trace = resolve(trace)
-    begin(trace, "linear fwd")
     info = group_info(group)
     args = (method, scale, initial_state, output_final_state, cu_seqlens, stats, backend, trace)
+    if not first:
+        return _prepare(q, k, v, g, info, *args)
     if not check_ranks_enabled(check_ranks):
         prepared = _prepare(q, k, v, g, info, *args)
         if prepared[2] is not None:  # packed: the same offsets on every rank (a 3-number all-gather, as
             # for softmax attention); different offsets would silently mix documents across ranks
             check_same_on_ranks(prepared[2], group, device=q.device if q.is_cuda else None, trace=trace)
-        return _launch(q, k, v, g, initial_state, *prepared)
-    prepared = agreed(info, "seqpar.linear_attention", call_fields(arguments),
-                      lambda: _prepare(q, k, v, g, info, *args),
-                      device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None, trace=trace)
-    return _launch(q, k, v, g, initial_state, *prepared)
+        return prepared
+    return agreed(info, "seqpar.linear_attention", call_fields(arguments),
+                  lambda: _prepare(q, k, v, g, info, *args),
+                  device=q.device if isinstance(q, torch.Tensor) and q.is_cuda else None, trace=trace)
 
 
-# Linear attention is not yet an opaque op under torch.compile: its backward needs Python state of the
-# forward's exchange, and packed input's saved-state shapes depend on cu_seqlens' values. Dynamo runs
-# it eagerly between two graphs instead (a graph break; fullgraph=True raises with this reason).
-_between_graphs = torch.compiler.disable(
-    _linear, reason="seqpar.linear_attention runs outside torch.compile graphs (a graph break): compile with "
-                    "fullgraph=False, or compile the code around it; seqpar.attention (softmax) compiles fully")
+def _setup(arguments: dict, *, trace, first: bool = True) -> LinearConfig:
+    """The checked configuration of a call, for the compiled ops (seqpar.linear.compiled): the same
+    checks and configuration as eager mode, always with seqpar's chunk kernels (flash-linear-attention's
+    single-device path is not an opaque op)."""
+    return _config(arguments["q"], *_checked(arguments, trace, first))
 
 
 def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state, cu_seqlens, stats, backend,
@@ -174,16 +187,21 @@ def _prepare(q, k, v, g, info, method, scale, initial_state, output_final_state,
 
 
 def _launch(q, k, v, g, initial_state, info, plan, cu, scale, kernel, output_final_state, stats, backend, trace):
-    bsz, t_local = q.shape[:2]
     if info.single and backend is None and fla_refusal(q) is None:
         end(trace, "linear fwd")  # one device, flash-linear-attention's kernels: nothing of ours to trace
         return _fla_single(q, k, v, g, scale, initial_state, output_final_state, cu)
-    shard = build_shard(info.rank, info.size, bsz, t_local, cu)
-    cfg = LinearConfig(info, plan, shard, kernel.layout(shard.seq_lens, q.device), kernel, scale,
-                       output_final_state, stats, trace)
+    cfg = _config(q, info, plan, cu, scale, kernel, output_final_state, stats, backend, trace)
     out = LinearSPFunction.apply(q, k, v, g, initial_state, cfg)
     end(trace, "linear fwd")
     return out if output_final_state else (out, None)
+
+
+def _config(q, info, plan, cu, scale, kernel, output_final_state, stats, backend, trace) -> LinearConfig:
+    """The Function's configuration from :func:`_prepare`'s result (host-side only)."""
+    bsz, t_local = q.shape[:2]
+    shard = build_shard(info.rank, info.size, bsz, t_local, cu)
+    return LinearConfig(info, plan, shard, kernel.layout(shard.seq_lens, q.device), kernel, scale,
+                        output_final_state, stats, trace)
 
 
 def _fla_single(q, k, v, g, scale, h0, output_final_state, cu):

@@ -111,6 +111,13 @@ class ChainExchange:
         self._scan = self._work = None
         return inc
 
+    def kept(self) -> list[torch.Tensor]:
+        """The tensors the backward needs from the forward's exchange: none for the chain."""
+        return []
+
+    def restore(self, kept: list[torch.Tensor]) -> None:
+        """Take back what :meth:`kept` gave (the compiled backward op, seqpar.linear.compiled)."""
+
 
 class GatherExchange:
     """LASP-2: all-gather ``[S_loc | Gamma_end]`` (``R*H*K*(V+1)`` elements from each rank, so every
@@ -148,6 +155,14 @@ class GatherExchange:
         v = x.shape[-1] // 2 if self._with_dht else x.shape[-1]
         last = x[..., v:].sum(0) if self._with_dht else None
         return fold_reverse(x[..., :v], self.decays, last, self.info.rank)
+
+    def kept(self) -> list[torch.Tensor]:
+        """The tensors the backward needs from the forward's exchange: the gathered decays ``[N, R, H, K]``."""
+        return [self.decays]
+
+    def restore(self, kept: list[torch.Tensor]) -> None:
+        """Take back what :meth:`kept` gave (the compiled backward op, seqpar.linear.compiled)."""
+        (self.decays,) = kept
 
 
 def make_exchange(info: GroupInfo, plan: ScanPlan, stats: CommStats | None, trace=None):
