@@ -18,7 +18,10 @@ Default cases (each option a user can pass appears at least once): every method 
 and ZeCO at N = 3 (the gathered decays' shape depends on N; a DeviceMesh group), decay per key
 channel, per head and none, initial and final state, packed documents with ``cu_seqlens`` as a
 tensor and as a list, ``scale``, backends ``torch`` and ``triton`` (the Triton interpreter on CPU),
-Inductor once (its first compile in a process costs most of a test's time), and bad input.
+Inductor once (its first compile in a process costs most of a test's time), bad input, and local
+lengths that change between calls. ``@pytest.mark.slow``: every method at N = 2, 3, 4 over every
+combination of decay, initial/final state and packing, and Triton dense and packed (measured at load
+average ~9: 66 s for one method at N = 2, 121 s at N = 3, 98 s at N = 4).
 """
 
 from __future__ import annotations
@@ -258,15 +261,40 @@ def _inductor_case(spec):
     return _case(spec)
 
 
+def _dynamic_lengths():
+    """Three local lengths through one compiled call (Dynamo recompiles once with a symbolic length):
+    each equals eager, output, final state and every gradient (lasp2: the gathered decays' shape)."""
+    torch._dynamo.reset()
+    fn = lambda q, k, v, g: seqpar.linear_attention(q, k, v, g, method="lasp2", output_final_state=True)  # noqa: E731
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    for t in (3, 5, 8):
+        gen = torch.Generator().manual_seed(t)
+        x = [torch.randn(1, t, H, d, generator=gen) for d in (K, K, V)] + [-torch.rand(1, t, H, generator=gen)]
+        runs = []
+        for f in (fn, compiled):
+            leaves = [a.clone().requires_grad_() for a in x]
+            o, ht = f(*leaves)
+            runs.append([o, ht, *torch.autograd.grad(o.sin().sum() + ht.sum(), leaves)])
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), f"T_local={t}"
+    return True
+
+
+def test_changing_lengths_under_compile():
+    assert all(run_distributed(_dynamic_lengths, 2, timeout=300))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("method", ["zeco", "lasp2", "lasp1"])
 def test_every_method_and_option(n, method):
-    """Every method with every combination of decay, initial/final state, packing and backend."""
-    specs = {f"{g}-{h0}-{final}-{cu}-{backend}": _spec(method, n=n, g=g, h0=h0, final=final, backend=backend,
-                                                       cu=cu, t_local=5)
-             for g in ("k", "h", None) for h0 in (True, False) for final in (True, False)
-             for cu in (None, tuple(range(0, 5 * n, 4)) + (5 * n,)) for backend in ("torch", "triton")}
+    """Every method with every combination of decay, initial/final state and packing (torch backend),
+    and the Triton backend (interpreted on CPU: ~6 s a case) with and without packing."""
+    packed = tuple(range(0, 5 * n, 4)) + (5 * n,)  # a document edge inside most shards
+    specs = {f"g{g}-h0{h0}-final{final}-packed{cu is not None}": _spec(method, n=n, g=g, h0=h0, final=final,
+                                                                       cu=cu, t_local=5)
+             for g in ("k", "h", None) for h0 in (True, False) for final in (True, False) for cu in (None, packed)}
+    specs.update({f"triton-packed{cu is not None}": _spec(method, n=n, cu=cu, t_local=5, backend="triton")
+                  for cu in (None, packed)})
     results = run_distributed(_cases, n, list(specs.values()), timeout=3000)
     for i, (name, spec) in enumerate(specs.items()):
         try:
