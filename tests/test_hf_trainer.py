@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -199,7 +200,7 @@ def _main(out_dir: str, folder: str, names: list[str]) -> None:
         try:
             losses, trainer = _train(folder, out, opts, world, cp_trainer=True)
             trainer.save_model(out)
-            record = {"losses": losses}
+            record = {"losses": losses, "launcher_precision": os.environ.get("ACCELERATE_MIXED_PRECISION")}
             if opts.get("compile"):  # Dynamo compiled graphs (a fall back to eager would compile none)
                 from torch._dynamo.utils import counters
 
@@ -232,13 +233,22 @@ def _params(world: int) -> list:
             for n, (w, o) in CONFIGS.items() if w == world and not o.get("wrong_scale")]
 
 
-def _launch(world: int, names: list[str], out: Path, folder: Path, timeout: float = 420) -> dict:
+def _launch(world: int, names: list[str], out: Path, folder: Path, timeout: float = 420,
+            launcher: str = "torchrun") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), __file__,
-           str(out), str(folder), *names]
+    if launcher == "accelerate":  # `accelerate launch`: its multi-process launcher (on CPU the ranks use gloo)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(world),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(port)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
+    cmd += [__file__, str(out), str(folder), *names]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert res.returncode == 0, f"exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
     return json.loads((out / "results.json").read_text())
@@ -340,6 +350,15 @@ def test_world3_cp3(folder, tmp_path_factory, tmp_path):
     out = tmp_path_factory.mktemp("world3")
     results = _launch(3, ["cp3_striped"], out, folder)
     _assert_equal(folder, tmp_path, out, "cp3_striped", results)
+
+
+def test_accelerate_launch_matches_single_process_trainer(folder, tmp_path_factory, tmp_path):
+    """The same run started by `accelerate launch` instead of torchrun (its environment: mixed
+    precision and dynamo set by the launcher) equals the single-process Trainer."""
+    out = tmp_path_factory.mktemp("accelerate")
+    results = _launch(2, ["cp2_zigzag_ga2"], out, folder, launcher="accelerate")
+    assert [r["launcher_precision"] for r in results["cp2_zigzag_ga2"]] == ["no", "no"]  # accelerate's env
+    _assert_equal(folder, tmp_path, out, "cp2_zigzag_ga2", results)
 
 
 @pytest.mark.slow
