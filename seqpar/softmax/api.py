@@ -24,6 +24,7 @@ from ..tracing import Trace, begin, end, resolve
 from .checkpoint import active_tape
 from .compiled import compiled_attention
 from .executor import RingAttention, RingConfig
+from .lse import check_return_lse
 from .packed import packed_schedule
 from .registry import dense_plan
 from .sinks import check_sinks
@@ -107,7 +108,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
               grad_comm_dtype: str | None = None, ulysses_degree: int | None = None,
               ring_method: str | None = None, check_ranks: bool | None = None,
               window: int | None = None, sinks: torch.Tensor | None = None,
-              trace: Trace | None = None) -> torch.Tensor:
+              trace: Trace | None = None,
+              return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over a sequence split across the ranks of ``group``.
 
     Shapes (N = ranks in ``group``, ``T_local = T_global / N``):
@@ -119,7 +121,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     Returns:
         ``[B, T_local, Hq, D_v]`` in q's dtype: this rank's rows of the global attention output, in the
         same layout (``seqpar.unshard`` restores global order). Differentiable; gradients come back
-        in the input dtypes.
+        in the input dtypes. With ``return_lse=True``: ``(out, lse)``, lse ``[B, Hq, T_local]``.
 
     Args:
         group: ProcessGroup or 1-D DeviceMesh (None = the default group; a single device when
@@ -167,6 +169,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         trace: a :class:`seqpar.Trace` that records this rank's kernels, messages and their
             dependencies, forward and backward (default: the enclosing ``with seqpar.trace(...)``
             block's, else none; :mod:`seqpar.tracing`).
+        return_lse: also return ``lse [B, Hq, T_local]`` fp32 (float64 for float64), rows as out's: the log
+            of each row's softmax denominator (scaled scores, sinks included; -inf for packed padding);
+            not differentiable; ulysses/usp send one more fp32 all-to-all for it (:mod:`seqpar.softmax.lse`).
 
     Raises ``ValueError`` naming the argument, on every rank and before any communication, for bad
     shapes, dtypes, method, backend, window or lengths. Raises :class:`seqpar.PeerError` when a peer rank
@@ -178,14 +183,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
     return _attend(q, k, v, arguments)
 
 
-def _attend(q, k, v, arguments: dict) -> torch.Tensor:
-    """:func:`attention` once its arguments are captured: agreement (unless off), checks, runner."""
+def _attend(q, k, v, arguments: dict):
+    """:func:`attention` once its arguments are captured: agreement (unless off), checks, runner.
+    Returns ``out``, or ``(out, lse)`` for ``return_lse=True``."""
     trace = resolve(arguments["trace"])
     begin(trace, "attention fwd")
     function, args = _setup(q, k, v, arguments, trace=trace)
-    out = function.apply(*args)
+    result = function.apply(*args)
     end(trace, "attention fwd")
-    return out
+    return result
 
 
 def _setup(q, k, v, arguments: dict, *, trace, first: bool = True, needs_grad: bool | None = None):
@@ -197,7 +203,7 @@ def _setup(q, k, v, arguments: dict, *, trace, first: bool = True, needs_grad: b
     trace time)."""
     opts = {name: arguments[name] for name in ("group", "method", "causal", "softmax_scale", "cu_seqlens", "backend",
                                                "stats", "grad_comm_dtype", "ulysses_degree", "ring_method", "window",
-                                               "sinks")}
+                                               "sinks", "return_lse")}
     group, method = opts["group"], opts["method"]
     tape = active_tape()
     replaying = tape is not None and tape.replaying
@@ -219,9 +225,10 @@ def _setup(q, k, v, arguments: dict, *, trace, first: bool = True, needs_grad: b
 
 def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backend, stats, grad_comm_dtype,
              ulysses_degree, ring_method, window, same_offsets_check: bool, sinks=None, trace=None,
-             needs_grad=None) -> "CallSpec":
+             needs_grad=None, return_lse=False) -> "CallSpec":
     """Every local check of a call, and its CallSpec. Communicates only for ``same_offsets_check``
     (packed input: the cu_seqlens fingerprint all-gather of :func:`_check_same`, recorded in ``trace``)."""
+    check_return_lse(return_lse)
     check_usp_options(method, ulysses_degree, ring_method)
     channels = None
     if isinstance(group, TokenRingGroups):  # the group plus one communicator per traffic direction
@@ -253,7 +260,7 @@ def _prepare(q, k, v, *, group, method, causal, softmax_scale, cu_seqlens, backe
         wire = k.dtype
     return CallSpec(info=info, spec=spec, causal=causal, scale=scale, backend=backend, grad_comm_dtype=wire,
                     stats=stats, group=group, ulysses_degree=ulysses_degree, ring_method=ring_method,
-                    channels=channels, packed=packed, window=window, sinks=sinks)
+                    channels=channels, packed=packed, window=window, sinks=sinks, return_lse=return_lse)
 
 
 def _fingerprint(arguments: dict, needs_grad: bool | None = None) -> dict[str, str]:
@@ -292,6 +299,7 @@ class CallSpec:
     window: int | None = None  # sliding window as given (runners drop one that covers everything)
     sinks: torch.Tensor | None = None  # [Hq] float32 attention sinks (seqpar.softmax.sinks), or None
     trace: Trace | None = None  # records this call (seqpar.tracing)
+    return_lse: bool = False  # the family's Function returns (out, lse) (seqpar.softmax.lse)
 
 
 def _ring_config(q, k, v, call: CallSpec) -> RingConfig:
@@ -301,7 +309,8 @@ def _ring_config(q, k, v, call: CallSpec) -> RingConfig:
     else:
         plan = dense_plan(call.spec, call.info.rank, call.info.size, q.shape[1], call.causal, window)
     return RingConfig(info=call.info, plan=plan, scale=call.scale, backend=call.backend,
-                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels, trace=call.trace)
+                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, channels=call.channels, trace=call.trace,
+                      return_lse=call.return_lse)
 
 
 # family name -> (autograd Function, its config builder (q, k, v, CallSpec) -> config); the Function

@@ -11,10 +11,13 @@ Function's ``forward`` and ``backward`` (:mod:`.executor`, :mod:`.ulysses`) that
 
 Tensors:
     ``attention_fwd(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], sinks [Hq] | None,
-    cu_seqlens [docs + 1] int | None, key, heads) -> (out [B, T_local, Hq, D], saved)``; ``saved`` are the
-    tensors the Function keeps for backward besides its inputs and ``out``: ring family ``[lse
+    cu_seqlens [docs + 1] int | None, key, heads, *, with_lse=False) -> (out [B, T_local, Hq, D], saved)``; ``saved``
+    are the tensors the Function keeps for backward besides its inputs and ``out``: ring family ``[lse
     [B, Hq, T_local]]``; Ulysses / USP the head-sharded ``[qh, kh, vh, outh, lse]`` (``[B, U*T_local,
-    h, D]``, lse ``[B, h, U*T_local]``, h this member's heads). lse is float32 (float64 for float64).
+    h, D]``, lse ``[B, h, U*T_local]``, h this member's heads), then, for ``with_lse``
+    (``return_lse=True``), one more: the lse of this rank's rows ``[B, Hq, T_local]`` that the call
+    returns (detached: not differentiable, :mod:`.lse`; not kept for backward). lse is float32
+    (float64 for float64).
     ``attention_bwd(dout, q, k, v, sinks, cu_seqlens, out, saved, key) -> (dq, dk, dv, dsinks)``
     (``dsinks`` empty without sinks).
 
@@ -146,6 +149,9 @@ class _Ctx:
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
 
+    def mark_non_differentiable(self, *tensors):  # the op's outputs: compiled_attention detaches the lse
+        pass
+
 
 def _standard(t: torch.Tensor) -> torch.Tensor:
     """``t`` with the contiguous strides the fake implementation promises (a copy only when not)."""
@@ -166,14 +172,16 @@ def _fresh(t: torch.Tensor, others) -> torch.Tensor:
 
 @torch.library.custom_op("seqpar::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                  cu_seqlens: torch.Tensor | None, key: int, heads: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                  cu_seqlens: torch.Tensor | None, key: int, heads: int, *,
+                  with_lse: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
     call = _call(key)
     arguments = call.arguments(q, k, v, sinks, cu_seqlens)
     trace = resolve(arguments["trace"])
     begin(trace, "attention fwd")
     function, args = call.setup(q, k, v, arguments, trace=trace, needs_grad=call.needs_grad)
     ctx = _Ctx()
-    out = _standard(function.forward(ctx, *args))
+    out, lse = function.forward(ctx, *args) if with_lse else (function.forward(ctx, *args), None)
+    out = _standard(out)
     end(trace, "attention fwd")
     layout = _SAVED[function]
     saved = [None] * sum(isinstance(x, int) for x in layout)
@@ -183,6 +191,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
             saved[where] = _standard(_fresh(t, (q, k, v, out, *saved[:where])))
         elif t is not named[where]:
             raise RuntimeError(f"seqpar::attention_fwd: {function.__name__} saved another tensor than {where}")
+    if with_lse:  # (the ring family's is its saved lse: copied, an output may not alias another)
+        saved.append(_standard(_fresh(lse, (out, *saved))))
     return out, saved
 
 
@@ -209,16 +219,17 @@ def saved_heads(key: int, hq: int, hkv: int) -> int:
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, sinks, cu_seqlens, key, heads):
+def _attention_fwd_fake(q, k, v, sinks, cu_seqlens, key, heads, *, with_lse=False):
     out = q.new_empty(q.shape[:3] + v.shape[3:])  # [B, T, Hq, D_v]: v's head dim (MLA: D_v != D)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, t, hq, d = q.shape
+    rows_lse = [q.new_empty((b, hq, t), dtype=acc)] if with_lse else []
     if heads == 0:  # ring family: lse
-        return out, [q.new_empty((b, hq, t), dtype=acc)]
+        return out, [q.new_empty((b, hq, t), dtype=acc), *rows_lse]
     u, h, hkv = heads >> 40, (heads >> 20) & 0xFFFFF, heads & 0xFFFFF
     return out, [q.new_empty((b, u * t, h, d)), k.new_empty((b, u * t, hkv, d)),
                  v.new_empty((b, u * t, hkv, v.shape[3])), q.new_empty((b, u * t, h, v.shape[3])),
-                 q.new_empty((b, h, u * t), dtype=acc)]
+                 q.new_empty((b, h, u * t), dtype=acc), *rows_lse]
 
 
 @torch.library.custom_op("seqpar::attention_bwd", mutates_args=())
@@ -247,10 +258,11 @@ def _attention_bwd_fake(dout, q, k, v, sinks, cu_seqlens, out, saved, key):
         q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape))
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, sinks, cu_seqlens, key, _heads = inputs
     out, saved = output
-    ctx.save_for_backward(q, k, v, sinks, cu_seqlens, out, *saved)
+    with_lse = keyword_only_inputs.get("with_lse", False)  # its last saved tensor: returned, not kept
+    ctx.save_for_backward(q, k, v, sinks, cu_seqlens, out, *(saved[:-1] if with_lse else saved))
     ctx.key = key
 
 
@@ -263,8 +275,9 @@ def _backward(ctx, dout, _dsaved):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def compiled_attention(q, k, v, arguments: dict, setup: Callable) -> torch.Tensor:
+def compiled_attention(q, k, v, arguments: dict, setup: Callable):
     """:func:`seqpar.attention` while Dynamo traces: register the options, emit the forward op.
+    Returns ``out``, or ``(out, lse)`` (lse detached) when ``arguments["return_lse"]`` is True.
 
     ``arguments``: every argument of the call by name; ``setup``: the entry point's
     ``(q, k, v, arguments, *, trace, first=True, needs_grad) -> (Function, args)``.
@@ -281,8 +294,9 @@ def compiled_attention(q, k, v, arguments: dict, setup: Callable) -> torch.Tenso
                if name not in TENSOR_ARGUMENTS and not (name == "cu_seqlens" and cu_tensor)}
     key = register_call(setup, needs_grad, cu_tensor, **options)
     heads = saved_heads(key, int(q.shape[2]), int(k.shape[2]))
-    out, _ = attention_fwd(q, k, v, sinks, cu if cu_tensor else None, key, heads)
-    return out
+    with_lse = arguments["return_lse"] is True  # (anything but a bool: the op's checks raise ValueError)
+    out, saved = attention_fwd(q, k, v, sinks, cu if cu_tensor else None, key, heads, with_lse=with_lse)
+    return (out, saved[-1].detach()) if with_lse else out
 
 
 __all__ = ["RegisteredCall", "attention_bwd", "attention_fwd", "compiled_attention", "register_call", "saved_heads"]

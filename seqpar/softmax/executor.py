@@ -41,6 +41,7 @@ from ..kernels.varlen import varlen_backward, varlen_forward
 from ..tracing import Trace, begin, end
 from .checkpoint import active_tape
 from .foreign import foreign_delta
+from .lse import returned
 from .messages import indexed_moves, last_use, message_tag
 from .plans import FOLD, OPERANDS, WIRES, Move, RingPlan, Schedule, Task, Wire
 from .sinks import apply_sinks, sinks_grad
@@ -64,6 +65,7 @@ class RingConfig:
     stats: CommStats | None = None
     channels: tuple[GroupInfo, ...] | None = None
     trace: Trace | None = None  # records kernels, messages and their dependencies (seqpar.tracing)
+    return_lse: bool = False  # the Function returns (out, lse) (seqpar.attention's return_lse, :mod:`.lse`)
 
     def channel(self, i: int) -> GroupInfo:
         if not self.channels:
@@ -429,10 +431,10 @@ class RingAttention(torch.autograd.Function):
                 tape.record(out.detach(), lse)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cfg = cfg
-        return out
+        return returned(ctx, out, lse, cfg.return_lse)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_):  # (the lse's gradient, when returned, is not used: :mod:`.lse`)
         q, k, v, out, lse, sinks = ctx.saved_tensors
         cfg = ctx.cfg
         if cfg.stats is not None:

@@ -20,13 +20,34 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     written as an extra key column and dropped after the softmax; differentiable.
     Computes in the input dtype; pass float64 tensors for a ground truth.
     """
+    B, T, Hq, _ = q.shape
+    s = _scores(q, k, causal, softmax_scale, cu_seqlens, window, sinks)  # [B, Hkv, g, T, T (+1)]
+    if sinks is not None:  # the sinks' column dropped after the softmax
+        p = torch.softmax(s, dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key (none here) would be NaN
+    vt = v.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, T, D_v]
+    o = torch.matmul(p, vt)  # [B, Hkv, g, T, D_v]
+    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, v.shape[3])
+
+
+def reference_lse(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, softmax_scale: float | None = None,
+                  cu_seqlens=None, window: int | None = None, sinks=None) -> torch.Tensor:
+    """The log-sum-exp ``[B, Hq, T]`` of every row's scaled scores over the keys it sees, with
+    ``exp(sinks[h])`` in the sum when given: the log of the softmax denominator of
+    :func:`reference_attention` (``seqpar.attention(..., return_lse=True)``'s second result, global)."""
+    B, T, Hq, _ = q.shape
+    return torch.logsumexp(_scores(q, k, causal, softmax_scale, cu_seqlens, window, sinks), dim=-1).reshape(B, Hq, T)
+
+
+def _scores(q, k, causal, softmax_scale, cu_seqlens, window, sinks) -> torch.Tensor:
+    """Scaled scores ``[B, Hkv, g, T, T]``, -inf where masked, the sinks' column appended when given."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     g = Hq // Hkv
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
     qg = q.reshape(B, T, Hkv, g, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, T, D]
     kt = k.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, T, D]
-    vt = v.permute(0, 2, 1, 3).unsqueeze(2)
     s = torch.matmul(qg, kt.transpose(-1, -2)) * scale  # [B, Hkv, g, T, T]
     allowed = torch.ones(T, T, dtype=torch.bool, device=q.device)
     if causal:
@@ -41,8 +62,5 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     s = s.masked_fill(~allowed, float("-inf"))
     if sinks is not None:  # [Hq] -> a column [B, Hkv, g, T, 1] next to the keys
         column = sinks.to(s.dtype).reshape(1, Hkv, g, 1, 1).expand(B, Hkv, g, T, 1)
-        p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1]
-    else:
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key (none here) would be NaN
-    o = torch.matmul(p, vt)  # [B, Hkv, g, T, D]
-    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, v.shape[3])
+        s = torch.cat([s, column], dim=-1)
+    return s

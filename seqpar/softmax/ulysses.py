@@ -57,6 +57,7 @@ from ..methods import head_shards
 from ..tracing import Trace, begin, block_flops, end, span
 from .checkpoint import active_tape
 from .executor import RingConfig, ring_backward, ring_forward
+from .lse import returned
 from .sinks import apply_sinks, sinks_grad
 from .window import effective_window
 
@@ -202,6 +203,7 @@ class UlyssesConfig:
     packed: object = None  # PackedHeads (seqpar.layouts.ulysses) of packed plain-Ulysses input
     window: int | None = None  # sliding window of the local attention (plain Ulysses, dense input)
     trace: Trace | None = None  # records the all-to-alls and the local attention (seqpar.tracing)
+    return_lse: bool = False  # the Function returns (out, lse), lse back in sequence shards (:mod:`.lse`)
 
     @property
     def mask(self):
@@ -302,6 +304,14 @@ def ulysses_forward(q, k, v, cfg: UlyssesConfig, sinks=None):
     return out, (qh, kh, vh, outh, lse)
 
 
+def lse_to_seq(lse, cfg: UlyssesConfig):
+    """The local heads' lse ``[B, h, U·c]`` back to this rank's rows ``[B, Hq, c]``: the output's
+    inverse all-to-all, on ``B·h·U·c`` fp32 values (only for ``return_lse=True``, :mod:`.lse`)."""
+    (rows,) = heads_to_seq(cfg.axis, (lse.transpose(1, 2).unsqueeze(-1),), (cfg.q_split,), cfg.heads[:1],
+                           stats=cfg.stats, name="ulysses_lse", trace=cfg.trace)
+    return rows.squeeze(-1).transpose(1, 2).contiguous()
+
+
 def ulysses_backward(dout, saved, cfg: UlyssesConfig, sinks=None):
     """``dout [B, c, Hq, D]`` -> ``dq [B, c, Hq, D]``, ``dk, dv [B, c, Hkv, D]`` in the input dtype,
     and ``ds [Hq]`` (this member's heads; zeros elsewhere) when ``sinks`` is given."""
@@ -322,10 +332,11 @@ def ulysses_backward(dout, saved, cfg: UlyssesConfig, sinks=None):
 class UlyssesAttention(torch.autograd.Function):
     """Saves what backward needs and restores it; the work is in ulysses_forward / ulysses_backward.
 
-    Inside :func:`seqpar.checkpoint`, the first forward records ``out`` and the head-sharded
-    ``(outh, lse)``; the recomputation before backward replays them: neither the attention (nor, for
-    USP, its ring) nor the output's all-to-all runs again, only the all-to-all of q, k, v, whose
-    head-sharded copies the backward needs (keeping them would cost the memory checkpointing saves).
+    Inside :func:`seqpar.checkpoint`, the first forward records ``out``, the head-sharded
+    ``(outh, lse)`` and (``return_lse``) the lse of this rank's rows; the recomputation before
+    backward replays them: neither the attention (nor, for USP, its ring) nor the output's (or the
+    lse's) all-to-all runs again, only the all-to-all of q, k, v, whose head-sharded copies the
+    backward needs (keeping them would cost the memory checkpointing saves).
     """
 
     @staticmethod
@@ -334,22 +345,23 @@ class UlyssesAttention(torch.autograd.Function):
             cfg.stats.phase = "fwd"
         tape = active_tape()
         if tape is not None and tape.replaying:
-            out, (outh, lse) = tape.replay(q, v)
+            out, (outh, lse, rows_lse) = tape.replay(q, v)
             out, saved = out.detach(), (*_qkv_to_heads(q, k, v, cfg), outh, lse)
         else:
             out, saved = ulysses_forward(q, k, v, cfg, sinks)
+            rows_lse = lse_to_seq(saved[4], cfg) if cfg.return_lse else None
             if tape is not None:
-                tape.record(out.detach(), (saved[3].detach(), saved[4]))
+                tape.record(out.detach(), (saved[3].detach(), saved[4], rows_lse))
         ctx.save_for_backward(*saved, sinks)
         ctx.cfg = cfg
-        return out
+        return returned(ctx, out, rows_lse, cfg.return_lse)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_):  # (the lse's gradient, when returned, is not used: :mod:`.lse`)
         cfg = ctx.cfg
+        *saved, sinks = ctx.saved_tensors  # first: under seqpar.checkpoint this recomputes the forward
         if cfg.stats is not None:
             cfg.stats.phase = "bwd"
-        *saved, sinks = ctx.saved_tensors
         begin(cfg.trace, "attention bwd")
         dq, dk, dv, ds = ulysses_backward(dout.contiguous(), saved, cfg, sinks if ctx.needs_input_grad[3] else None)
         end(cfg.trace, "attention bwd")
@@ -372,7 +384,7 @@ def ulysses_config(axis: GroupInfo, q, k, call, ring: RingConfig | None = None, 
     return UlyssesConfig(axis=axis, q_split=q_split, kv_split=kv_split,
                          segments=gqa_segments(q_split, kv_split, hq // hkv, axis.rank), heads=(hq, hkv),
                          causal=call.causal, scale=call.scale, backend=call.backend, stats=call.stats, ring=ring,
-                         packed=packed, window=window, trace=call.trace)
+                         packed=packed, window=window, trace=call.trace, return_lse=call.return_lse)
 
 
 def run_ulysses(q, k, v, call) -> torch.Tensor:

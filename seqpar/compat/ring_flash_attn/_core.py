@@ -5,9 +5,8 @@ The output always comes from :func:`seqpar.attention` (its checks, rank agreemen
 checkpointing apply). The peer's own arguments are checked first, on every rank, by :func:`checked`:
 a mistake made on one rank only raises on every rank instead of leaving the others waiting.
 
-``return_attn_probs=True`` also needs the merged log-sum-exp, which ``seqpar.attention`` does not
-return: it is taken from one more forward run of the same schedule on seqpar's executor (no
-autograd), so asking for it costs a second attention forward.
+``return_attn_probs=True`` also needs the merged log-sum-exp: the same single call of
+``seqpar.attention`` returns it (``return_lse=True``), so asking for it costs no second forward.
 """
 
 from __future__ import annotations
@@ -18,12 +17,7 @@ import torch
 
 from seqpar.comm import group_info
 from seqpar.comm.agreement import agreed, check_ranks_enabled
-from seqpar.methods import method as declared
 from seqpar.softmax import attention
-from seqpar.softmax.executor import RingConfig, ring_forward
-from seqpar.softmax.packed import packed_schedule
-from seqpar.softmax.registry import dense_plan
-from seqpar.softmax.window import effective_window
 
 
 def check_options(*, dropout_p, alibi_slopes, window_size, deterministic, return_attn_probs, causal,
@@ -91,31 +85,15 @@ def option_fields(x, **options) -> dict:
 
 def attend(q, k, v, *, method: str, causal: bool, softmax_scale, window, group, cu_seqlens=None,
            return_lse: bool = False):
-    """``seqpar.attention`` on ``[B, T_local, H, D]`` inputs; with ``return_lse`` also the merged lse
-    ``[B, Hq, T_local]`` (fp32, no gradient) of the same call."""
-    out = attention(q, k, v, group=group, method=method, causal=causal, softmax_scale=softmax_scale,
-                           cu_seqlens=cu_seqlens, window=window)
+    """``seqpar.attention`` on ``[B, T_local, H, D]`` inputs, once; with ``return_lse`` also the merged
+    lse ``[B, Hq, T_local]`` of the same call (fp32 as the peer returns it, no gradient:
+    :mod:`seqpar.softmax.lse`), else None."""
+    result = attention(q, k, v, group=group, method=method, causal=causal, softmax_scale=softmax_scale,
+                       cu_seqlens=cu_seqlens, window=window, return_lse=return_lse)
     if not return_lse:
-        return out, None
-    return out, merged_lse(q, k, v, method=method, causal=causal, softmax_scale=softmax_scale, window=window,
-                           group=group, layout=cu_seqlens)
-
-
-def merged_lse(q, k, v, *, method, causal, softmax_scale, window, group, layout) -> torch.Tensor:
-    """The log-sum-exp of every local query row over all the keys it sees: the same schedule as
-    ``seqpar.attention`` (``layout``: None for dense input, else its packed or stream layout), run
-    forward once more on the executor without autograd. fp32 ``[B, Hq, T_local]``."""
-    info, spec = group_info(group), declared(method, kind="softmax")
-    window = effective_window(window, layout, info.size * q.shape[1])
-    if layout is not None:
-        plan = packed_schedule(spec, layout, info.rank, causal, window)
-    else:
-        plan = dense_plan(spec, info.rank, info.size, q.shape[1], causal, window)
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    with torch.no_grad():
-        _, lse = ring_forward(q.detach().contiguous(), k.detach().contiguous(), v.detach().contiguous(),
-                              RingConfig(info=info, plan=plan, scale=scale))
-    return lse.float()
+        return result, None
+    out, lse = result
+    return out, lse.float()
 
 
 def result(out, lse, return_attn_probs: bool):
