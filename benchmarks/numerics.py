@@ -62,13 +62,14 @@ def _inputs(T, dtype, seed, linear):
 
 def _usp_kw(method, n):
     """usp keeps a ring axis at every N (U=1, R=2 at N=2; U=2, R=N/2 above), so that its growth
-    compares ring merges with ring merges, not pure Ulysses (exact, no merge) with a ring."""
+    compares ring merges with ring merges, not pure Ulysses (exact, no merge) with a ring; an odd N
+    is a ring of N with U=1."""
     if method != "usp" or n == 1:
         return {}
-    return {"ulysses_degree": 1 if n == 2 else 2}
+    return {"ulysses_degree": 1 if n == 2 or n % 2 else 2}
 
 
-def _run(method, x, n, group_kw, grad_comm_dtype=None):
+def _run(method, x, n, group_kw, grad_comm_dtype=None, window=None):
     """This rank's part: fwd + bwd, gathered back to global order (every rank gets everything)."""
     if method in seqpar.LINEAR_METHODS:
         q, k, v, g, dout = x
@@ -82,12 +83,13 @@ def _run(method, x, n, group_kw, grad_comm_dtype=None):
     q, k, v, dout = x
     loc = [seqpar.shard(y, method=method, **group_kw) for y in (q, k, v, dout)]
     ql, kl, vl = (y.requires_grad_() for y in loc[:3])
-    out = seqpar.attention(ql, kl, vl, method=method, causal=True, grad_comm_dtype=grad_comm_dtype, **group_kw)
+    out = seqpar.attention(ql, kl, vl, method=method, causal=True, grad_comm_dtype=grad_comm_dtype, window=window,
+                           **group_kw)
     out.backward(loc[3])
     return [seqpar.unshard(y, method=method, **group_kw) for y in (out.detach(), ql.grad, kl.grad, vl.grad)]
 
 
-def _rank_all(methods, dtypes, T, seed, n, grad_comm_dtype=None):
+def _rank_all(methods, dtypes, T, seed, n, grad_comm_dtype=None, window=None):
     """On every rank: run every (method, dtype); rank 0 returns the gathered tensors."""
     rank = torch.distributed.get_rank() if n > 1 else 0
     out = {}
@@ -96,14 +98,29 @@ def _rank_all(methods, dtypes, T, seed, n, grad_comm_dtype=None):
             x = _inputs(T, DTYPES[name], seed, method in seqpar.LINEAR_METHODS)
             try:
                 gcd = grad_comm_dtype if method in seqpar.METHODS else None
-                res = _run(method, x, n, _usp_kw(method, n), gcd)
+                res = _run(method, x, n, _usp_kw(method, n), gcd, None if method in seqpar.LINEAR_METHODS else window)
             except Exception as exc:  # reported in the table (e.g. a dtype a CPU kernel lacks)
                 res = f"{type(exc).__name__}: {exc}"
             out[(method, name)] = res if rank == 0 else None
     return out
 
 
-def _reference(method, x):
+def _sdpa(x, window=None):
+    """torch's own scaled_dot_product_attention on one device, in the inputs' dtype (causal, and the
+    window as a boolean mask): the plain low-precision attention a user would otherwise run."""
+    import torch.nn.functional as F
+
+    q, k, v, dout = *(y.clone().requires_grad_() for y in x[:3]), x[3]
+    t = q.shape[1]
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    mask = (j <= i) & ((j > i - window) if window else True)
+    o = F.scaled_dot_product_attention(*(y.transpose(1, 2) for y in (q, k, v)), attn_mask=mask,
+                                       enable_gqa=True).transpose(1, 2)
+    o.backward(dout)
+    return [o.detach(), q.grad, k.grad, v.grad]
+
+
+def _reference(method, x, window=None):
     """float64 output and gradients on the same rounded inputs."""
     from seqpar.softmax.reference import reference_attention
     from seqpar.linear import reference_linear_attention
@@ -114,7 +131,7 @@ def _reference(method, x):
         o.backward(dout.detach())
         return [o.detach(), q.grad, k.grad, v.grad, g.grad]
     q, k, v, dout = (y.double().clone().requires_grad_() for y in x)
-    o = reference_attention(q, k, v, causal=True)
+    o = reference_attention(q, k, v, causal=True, window=window)
     o.backward(dout.detach())
     return [o.detach(), q.grad, k.grad, v.grad]
 
@@ -135,23 +152,26 @@ def _rel_norm(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def measure(methods, dtypes, ns, T, seed=0, progress=True, grad_comm_dtype=None):
-    """Rows ``{method, dtype, N, norm_out, ..., norm, max_out, ..., max}``; N=1 runs in this process."""
+def measure(methods, dtypes, ns, T, seed=0, progress=True, grad_comm_dtype=None, window=None):
+    """Rows ``{method, dtype, N, norm_out, ..., norm, max_out, ..., max}``; N=1 runs in this process;
+    N=0 is torch's SDPA on one device (softmax methods)."""
     from seqpar.testing import get_pool
 
-    results = {1: _rank_all(methods, dtypes, T, seed, 1, grad_comm_dtype)}
+    results = {1: _rank_all(methods, dtypes, T, seed, 1, grad_comm_dtype, window)}
     for n in ns:
         t0 = time.perf_counter()
-        results[n] = get_pool(n).run(_rank_all, (methods, dtypes, T, seed, n, grad_comm_dtype), timeout=1800)[0]
+        results[n] = get_pool(n).run(_rank_all, (methods, dtypes, T, seed, n, grad_comm_dtype, window),
+                                     timeout=1800)[0]
         if progress:
             print(f"N={n}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     rows = []
     names = ("out", "dq", "dk", "dv", "dg")
     for method in methods:
         for name in dtypes:
-            ref = _reference(method, _inputs(T, DTYPES[name], seed, method in seqpar.LINEAR_METHODS))
-            for n in (1, *ns):
-                got = results[n][(method, name)]
+            x = _inputs(T, DTYPES[name], seed, method in seqpar.LINEAR_METHODS)
+            ref = _reference(method, x, None if method in seqpar.LINEAR_METHODS else window)
+            for n in ((0,) if method in seqpar.METHODS else ()) + (1, *ns):
+                got = _sdpa(x, window) if n == 0 else results[n][(method, name)]
                 row = {"method": method, "dtype": name, "N": n, "T": T, "error": ""}
                 if isinstance(got, str):
                     row["error"] = got
@@ -174,12 +194,13 @@ def _growth(by, method, dtype, lo, hi, key):
     return None if a["error"] or b["error"] else b[key] / a[key]
 
 
-def write(rows, ns, out_dir: Path, command: str, seconds: float, load: str, grad_comm_dtype=None) -> None:
+def write(rows, ns, out_dir: Path, command: str, seconds: float, load: str, grad_comm_dtype=None,
+          window=None, name="numerics") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = ("out", "dq", "dk", "dv", "dg")
     keys = ["method", "dtype", "N", "T", *(f"norm_{p}" for p in parts), "norm", *(f"max_{p}" for p in parts),
             "max", "error"]
-    with open(out_dir / "numerics.csv", "w", newline="") as f:
+    with open(out_dir / f"{name}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         for r in rows:
@@ -193,18 +214,21 @@ def write(rows, ns, out_dir: Path, command: str, seconds: float, load: str, grad
         f"- machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, gloo on CPU; "
         f"load average at the end: {load}",
         f"- versions: Python {platform.python_version()}, torch {torch.__version__}, seqpar {seqpar.__version__}",
-        f"- run time: {seconds:.0f} s; raw rows (every tensor, both errors): `numerics.csv`",
-        "- inputs: softmax causal, T = {T} global, Hq = {HQ}, Hkv = {HKV}, D = {D} (usp: U=1 x R=2 at N=2, "
+        f"- run time: {seconds:.0f} s; raw rows (every tensor, both errors; N = 0: torch SDPA): `{name}.csv`",
+        "- inputs: softmax causal{win}, T = {T} global, Hq = {HQ}, Hkv = {HKV}, D = {D} (usp: U=1 x R=2 at N=2, "
         "U=2 x R=N/2 above); linear: gated (scalar log-decay per head), H = {HQ}, K = V = {D}; "
-        "grad_comm_dtype = {g}".format(T=rows[0]["T"], HQ=HQ, HKV=HKV, D=D, g=grad_comm_dtype),
+        "grad_comm_dtype = {g}".format(T=rows[0]["T"], HQ=HQ, HKV=HKV, D=D, g=grad_comm_dtype,
+                                       win=f", sliding window {window}" if window else ""),
         "- normwise error: max over out, dq, dk, dv (dg) of `||x - ref|| / ||ref||`, ref = float64 on the same "
         "rounded inputs; elementwise: `max|x - ref| / max|ref|` (dominated by the final rounding of one "
         "element, see the docstring of benchmarks/numerics.py)",
         f"- growth = error(N={hi}) / error(N={lo}); target <= 1.5x on the normwise error",
+        "- SDPA: `torch.nn.functional.scaled_dot_product_attention` on one device in the same dtype (softmax "
+        "methods; a boolean mask); `/ SDPA`: the largest error over N = 1.. against SDPA's (normwise | elementwise)",
         "",
-        "| method | dtype | " + " | ".join(f"normwise N={n}" for n in (1, *ns)) +
-        f" | growth N={hi} / N={lo} | <= 1.5x | elementwise N={lo} / N={hi} | elementwise growth |",
-        "|---|---|" + "---|" * (len(ns) + 5),
+        "| method | dtype | normwise SDPA | " + " | ".join(f"normwise N={n}" for n in (1, *ns)) +
+        f" | growth N={hi} / N={lo} | <= 1.5x | elementwise N={lo} / N={hi} | elementwise growth | / SDPA |",
+        "|---|---|" + "---|" * (len(ns) + 7),
     ]
     worst = worst_max = 0.0
     for method in dict.fromkeys(r["method"] for r in rows):
@@ -218,11 +242,15 @@ def write(rows, ns, out_dir: Path, command: str, seconds: float, load: str, grad
             ok = "n/a" if g is None else ("yes" if g <= 1.5 else "**no**")
             first, last = by[(method, dtype, lo)]["max"], by[(method, dtype, hi)]["max"]
             elem = "n/a" if gm is None else f"{_fmt(first)} / {_fmt(last)}"
-            lines.append(f"| {method} | {dtype} | " + " | ".join(cells) +
+            sdpa = by.get((method, dtype, 0))
+            vs = [by[(method, dtype, n)] for n in (1, *ns) if not by[(method, dtype, n)]["error"]]
+            rel = "n/a" if sdpa is None or not vs else \
+                f"{max(r['norm'] for r in vs) / sdpa['norm']:.2f}x \\| {max(r['max'] for r in vs) / sdpa['max']:.2f}x"
+            lines.append(f"| {method} | {dtype} | {_fmt(sdpa['norm']) if sdpa else 'n/a'} | " + " | ".join(cells) +
                          f" | {'n/a' if g is None else f'{g:.2f}x'} | {ok} | {elem} | "
-                         f"{'n/a' if gm is None else f'{gm:.2f}x'} |")
+                         f"{'n/a' if gm is None else f'{gm:.2f}x'} | {rel} |")
     lines += ["", f"Largest normwise growth: {worst:.2f}x; largest elementwise growth: {worst_max:.2f}x."]
-    (out_dir / "numerics.md").write_text("\n".join(lines) + "\n")
+    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -234,6 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grad-comm-dtype", default=None, choices=[None, "fp32", "input"],
                    help="dK/dV accumulators on the wire (softmax methods); 'input' is the growth control")
+    p.add_argument("--window", type=int, default=None, help="sliding window W of the softmax methods (causal)")
+    p.add_argument("--name", default="numerics", help="stem of the written .md / .csv")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
     ns = [int(x) for x in args.ns.split(",")]
@@ -246,11 +276,14 @@ def main(argv=None) -> int:
     if any(args.seq_len % (2 * n * 2) for n in ns):
         p.error(f"--seq-len {args.seq_len} must be a multiple of 4N for every N (zigzag, usp 2 x N/2)")
     t0 = time.perf_counter()
-    rows = measure(methods, dtypes, ns, args.seq_len, args.seed, grad_comm_dtype=args.grad_comm_dtype)
+    if args.window is not None and args.window < 1:
+        p.error(f"--window {args.window} must be >= 1")
+    rows = measure(methods, dtypes, ns, args.seq_len, args.seed, grad_comm_dtype=args.grad_comm_dtype,
+                   window=args.window)
     load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else "n/a"
     write(rows, ns, Path(args.out), " ".join(["python benchmarks/numerics.py", *(argv or sys.argv[1:])]),
-          time.perf_counter() - t0, " ".join(load), args.grad_comm_dtype)
-    print((Path(args.out) / "numerics.md").read_text())
+          time.perf_counter() - t0, " ".join(load), args.grad_comm_dtype, args.window, args.name)
+    print((Path(args.out) / f"{args.name}.md").read_text())
     return 0
 
 
