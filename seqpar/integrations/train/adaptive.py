@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ...comm.collectives import peer_errors
 from ...methods import ADAPTIVE_METHODS
 from ..hf import apply_context_parallel, shard_inputs
-from .step import sum_over_ranks, token_loss
+from .step import backward, sum_over_ranks, token_loss
 
 
 class AdaptiveRunner:
@@ -101,11 +101,11 @@ class AdaptiveRunner:
         return shard_inputs(tokens, cu_seqlens=cu, group=work.group, method=work.method), cu
 
     def step(self, plan, seq_lens: list[int], sequence: Callable[[int], tuple[torch.Tensor, list[int]]],
-             rt, *, autocast) -> tuple[float, float]:
+             rt, *, autocast, scaler=None) -> tuple[float, float]:
         """Forward and backward of one batch under ``plan`` (one pass on every rank); returns the
         global loss and the sum of squared document lengths. ``sequence(i)`` gives batch entry ``i``
         as ``(tokens [seq_len] int64, document cu_seqlens)``. FSDP2 sums the gradients of the global
-        mean loss into the shards."""
+        mean loss into the shards; with ``scaler`` (fp16) the loss is scaled before the backward."""
         from seqpar.schedulers.execute import rank_work
 
         from .flops import squared_lengths
@@ -116,7 +116,7 @@ class AdaptiveRunner:
         count = max(sum_over_ranks([valid], rt, "label count all-reduce")[0], 1.0)
         token_loss_sum = token_loss(self.model, shard, autocast, self.loss_chunk)
         weight = 0.0 if work.empty else 1.0 / count  # the empty group's pass only keeps FSDP2 in step
-        (token_loss_sum * weight).backward()
+        backward(token_loss_sum * weight, scaler)
         local = 0.0 if work.empty else float(token_loss_sum.detach())
         squares = 0.0 if work.empty else squared_lengths(cu) / work.group_plan.size
         total, squares = sum_over_ranks([local, squares], rt, "loss all-reduce")

@@ -11,7 +11,10 @@ without the marker.
 Parameters and optimizer state are FSDP2 shards (DTensors, dim 0 over all ranks); DCP stores each
 tensor's shards with their global offsets (``get_state_dict`` / ``set_state_dict`` of
 ``torch.distributed.checkpoint.state_dict``), so a run at any world size and CP degree, sharded or
-in one process, loads it and reshards it to its own layout.
+in one process, loads it and reshards it to its own layout. An fp16 run's loss scaler (its scale and
+growth tracker, the same on every rank) is saved beside them as two replicated tensors (``scaler.*``)
+and restored on resume; a checkpoint without them (bf16 / fp32 runs) leaves a new scaler at its
+initial scale, and a run without a scaler ignores them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ...comm.collectives import peer_errors
@@ -121,15 +125,40 @@ def check_same_model(meta: dict, current: dict, path: Path) -> None:
                          f"--model-config, or start a new run with another --save folder")
 
 
-def _state(model, optimizer):
+def _state(model, optimizer, scaler=None):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    fresh = not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+    if fresh and optimizer.state:
+        # get_state_dict creates an empty optimizer's state with one zero-gradient step at lr 0
+        # (moments 0, step count 1). An fp16 run whose steps so far were all skipped has no state
+        # when it saves; left at 1, its next real step would use AdamW's second-step bias
+        # correction. Back to 0, the state behaves as none: the next step is AdamW's first.
+        for per_param in optimizer.state.values():
+            if torch.is_tensor(per_param.get("step")):
+                per_param["step"].zero_()
+            elif "step" in per_param:
+                per_param["step"] = 0
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    if scaler is not None:  # float64 holds the fp32 scale exactly
+        state["scaler"] = {"scale": torch.tensor(scaler.get_scale(), dtype=torch.float64),
+                           "growth_tracker": torch.tensor(scaler.state_dict()["_growth_tracker"], dtype=torch.int64)}
+    return state
 
 
-def save_checkpoint(root: str | Path, step: int, model, optimizer, meta: dict) -> Path:
-    """Collective over the default group (every rank calls it). Returns the final directory."""
+def _has_scaler(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` holds a loss scaler's state (saved by an fp16 run)."""
+    import torch.distributed.checkpoint as dcp
+
+    return "scaler.scale" in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+def save_checkpoint(root: str | Path, step: int, model, optimizer, meta: dict, scaler=None) -> Path:
+    """Collective over the default group (every rank calls it). Returns the final directory.
+    ``scaler``: fp16's ``GradScaler`` / ``ShardedGradScaler``, whose state is saved too (after its
+    ``update``)."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(root)
@@ -141,7 +170,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, meta: dict) -
     _barrier()
     with warnings.catch_warnings():  # single process: DCP warns that it assumes so, which is the intent
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), no_dist=not _distributed())
+        dcp.save(_state(model, optimizer, scaler), checkpoint_id=str(tmp), no_dist=not _distributed())
     _barrier()
     if _rank0():
         with open(tmp / META, "w") as f:
@@ -177,18 +206,23 @@ def read_meta(path: str | Path) -> dict:
         return json.load(f)
 
 
-def load_checkpoint(path: str | Path, model, optimizer, fingerprint: dict) -> dict:
-    """Check the model matches, then load model and optimizer state in place; returns the meta."""
+def load_checkpoint(path: str | Path, model, optimizer, fingerprint: dict, scaler=None) -> dict:
+    """Check the model matches, then load model and optimizer state in place; returns the meta.
+    ``scaler``: restored to the saved scale and growth tracker when the checkpoint holds them (its
+    growth factor, backoff and interval stay this run's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
     meta = read_meta(path)
     check_same_model(meta, fingerprint, path)
-    state = _state(model, optimizer)
+    state = _state(model, optimizer, scaler if scaler is not None and _has_scaler(path) else None)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if "scaler" in state:
+        scaler.load_state_dict({**scaler.state_dict(), "scale": float(state["scaler"]["scale"]),
+                                "_growth_tracker": int(state["scaler"]["growth_tracker"])})
     return meta
 

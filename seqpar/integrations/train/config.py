@@ -62,6 +62,8 @@ class TrainConfig:
     compile: bool = False
     loss_chunk: int | None = None  # tokens per loss chunk; None = 256 MiB of fp32 logits; 0 = unchunked
     replicas: int = 1  # HSDP: FSDP2 shards within groups of W / replicas ranks, replicated across them
+    loss_scale_init: float | None = None  # --dtype float16: the first loss scale (None = torch's 2**16)
+    loss_scale_growth_interval: int | None = None  # clean steps before the scale doubles (None = 2000)
 
     @property
     def data_dir(self) -> str:
@@ -104,7 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--checkpointing", default="none", choices=CHECKPOINTING, help="activation checkpointing: per decoder "
       "layer, or 'attention' (seqpar's rematerialisation-aware mode)")
     a("--dtype", default="float32", choices=DTYPES, help="compute dtype (FSDP2 mixed precision: "
-      "computed in it, gradients reduced in fp32, fp32 master weights and optimizer state; one process: autocast)")
+      "computed in it, gradients reduced in fp32, fp32 master weights and optimizer state; one process: autocast; "
+      "float16 adds dynamic loss scaling: a step whose gradients overflow is skipped on every rank)")
+    a("--loss-scale-init", type=float, metavar="S", help="with --dtype float16: the initial loss scale "
+      "(default 65536, torch's GradScaler's; halved after each overflow)")
+    a("--loss-scale-growth-interval", type=int, metavar="N", help="with --dtype float16: clean steps before the "
+      "loss scale doubles (default 2000)")
     a("--steps", type=int, default=50)
     a("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, linear warmup, cosine to 10%%)")
     a("--warmup", type=int, help="warmup steps (default: min(10, steps / 10))")
@@ -144,7 +151,8 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         save_every=ns.save_every, resume=ns.resume, nproc=ns.nproc, threads=ns.threads, plot=ns.plot,
         json=ns.json, log_every=ns.log_every, progress=not ns.no_progress, timeout=ns.timeout,
         crash_at_step=ns.crash_at_step, model=ns.model, trust_pickle=ns.trust_pickle, export_hf=ns.export_hf,
-        compile=ns.compile, loss_chunk=ns.loss_chunk, replicas=ns.replicas)
+        compile=ns.compile, loss_chunk=ns.loss_chunk, replicas=ns.replicas, loss_scale_init=ns.loss_scale_init,
+        loss_scale_growth_interval=ns.loss_scale_growth_interval)
 
 
 # ----------------------------------------------------------------------------- model config
@@ -244,6 +252,7 @@ def validate(cfg: TrainConfig, world: int):
     if cfg.loss_chunk is not None and cfg.loss_chunk < 0:
         raise ValueError(f"--loss-chunk: expected tokens per chunk >= 1, or 0 for the unchunked loss; got "
                          f"{cfg.loss_chunk}")
+    _validate_loss_scale(cfg)
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads: expected a positive integer, got {cfg.threads}")
     cp = cfg.context_parallel
@@ -276,6 +285,21 @@ def validate(cfg: TrainConfig, world: int):
             raise ValueError(f"--export-hf: the parent folder of {out} does not exist; create it first")
     folder = model_folder(cfg)
     return open_data(cfg, folder)
+
+
+def _validate_loss_scale(cfg: TrainConfig) -> None:
+    import math
+
+    for flag, value in (("--loss-scale-init", cfg.loss_scale_init),
+                        ("--loss-scale-growth-interval", cfg.loss_scale_growth_interval)):
+        if value is not None and cfg.dtype != "float16":
+            raise ValueError(f"{flag}: only --dtype float16 scales the loss (this run is {cfg.dtype}); drop {flag} "
+                             "or add --dtype float16")
+    if cfg.loss_scale_init is not None and not (math.isfinite(cfg.loss_scale_init) and cfg.loss_scale_init > 0):
+        raise ValueError(f"--loss-scale-init: expected a positive finite scale (e.g. 65536), got {cfg.loss_scale_init}")
+    if cfg.loss_scale_growth_interval is not None and cfg.loss_scale_growth_interval < 1:
+        raise ValueError(f"--loss-scale-growth-interval: expected a positive number of steps, got "
+                         f"{cfg.loss_scale_growth_interval}")
 
 
 def model_folder(cfg: TrainConfig):

@@ -50,7 +50,9 @@ class TrainLog:
             self.info(f"step {rec['step']:>5}/{self.cfg.steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
                       f"{rec['tokens_per_s']:,.0f} tok/s | {rec['step_time_s'] * 1e3:,.0f} ms | "
                       f"peak mem {rec['peak_mem_mib']:,.0f} MiB"
-                      + (f" | MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""))
+                      + (f" | MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else "")
+                      + (f" | loss scale {rec['loss_scale']:g}" if "loss_scale" in rec else "")
+                      + (" (overflow: step skipped)" if rec.get("skipped") else ""))
 
     def close(self) -> None:
         if self.bar is not None:

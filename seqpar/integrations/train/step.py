@@ -1,7 +1,8 @@
 """One training step of ``seqpar train``: the loss of this rank's tokens and its backward (FSDP2 sums the
 gradients over the world), gradient clipping on the global norm of the sharded gradients, the
-learning-rate schedule and fault injection. Shared by the fixed-mesh trainer
-(:mod:`.trainer`) and the adaptive one (:mod:`.adaptive`)."""
+optimizer step (with ``--dtype float16``: dynamic loss scaling, torch's ``GradScaler`` in one
+process, ``ShardedGradScaler`` over FSDP2's sharded gradients), the learning-rate schedule and fault
+injection. Shared by the fixed-mesh trainer (:mod:`.trainer`) and the adaptive one (:mod:`.adaptive`)."""
 
 from __future__ import annotations
 
@@ -38,15 +39,23 @@ def token_loss(model, shard, autocast, chunk_size: int | None = None) -> torch.T
                               **kwargs)
 
 
-def forward_backward(model, shards, count: float, autocast, chunk_size: int | None = None) -> torch.Tensor:
-    """Backward of this rank's token losses / the global count; returns their (detached) sum.
+def backward(loss: torch.Tensor, scaler=None) -> None:
+    """``loss.backward()``, the loss first multiplied by the scaler's current scale when there is one
+    (fp16: the gradients are then ``scale`` times the true ones until :func:`optimizer_step` unscales)."""
+    (loss if scaler is None else scaler.scale(loss)).backward()
+
+
+def forward_backward(model, shards, count: float, autocast, chunk_size: int | None = None,
+                     scaler=None) -> torch.Tensor:
+    """Backward of this rank's token losses / the global count (each microbatch's loss scaled by
+    ``scaler``, fp16); returns their (detached, unscaled) sum.
 
     FSDP2 sums each backward's gradients over all ranks (its divide factor is 1), so the gradients
-    after the step are those of the global mean loss."""
+    after the step are those of the global mean loss (times the loss scale)."""
     loss_sum = None
     for b in shards:
         token_loss_sum = token_loss(model, b, autocast, chunk_size)
-        (token_loss_sum / count).backward()
+        backward(token_loss_sum / count, scaler)
         part = token_loss_sum.detach().double()
         loss_sum = part if loss_sum is None else loss_sum + part
     return loss_sum
@@ -64,6 +73,47 @@ def clip_gradients(params, max_norm: float) -> float:
     if math.isfinite(max_norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)
+
+
+def make_scaler(cfg: TrainConfig, rt):
+    """The dynamic loss scaler of ``--dtype float16`` (None for bfloat16 / float32, whose exponent
+    range needs none): ``torch.amp.GradScaler`` in one process, FSDP2's ``ShardedGradScaler`` over the
+    world otherwise (its unscale finds inf/NaN in each rank's shards of the DTensor gradients and
+    all-reduces the finding, so every rank skips the same steps)."""
+    if cfg.dtype != "float16":
+        return None
+    init = 2.0**16 if cfg.loss_scale_init is None else cfg.loss_scale_init  # torch's defaults
+    interval = 2000 if cfg.loss_scale_growth_interval is None else cfg.loss_scale_growth_interval
+    if rt.mesh is None:
+        return torch.amp.GradScaler(rt.device.type, init_scale=init, growth_interval=interval)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(rt.device.type, init_scale=init, growth_interval=interval,
+                             process_group=dist.group.WORLD)
+
+
+def optimizer_step(optimizer, params, max_norm: float, scaler=None) -> tuple[float | None, bool]:
+    """Clip the gradients to ``max_norm`` (``inf``: no clipping) and step; returns ``(grad_norm,
+    skipped)``, the norm of the true (unscaled) gradients before clipping. Collective.
+
+    With a ``scaler`` (fp16): unscale first, then clip and step, which the scaler skips when any
+    rank's gradients hold inf/NaN (``skipped``; the norm is then None: not a number to report), and
+    update the scale (halved after a skipped step, doubled after ``growth_interval`` clean ones).
+    A skipped step is still a step (torch's convention): the caller's step counter, the
+    learning-rate schedule and the data order advance; only the parameters and the optimizer state
+    (AdamW's moments and its own step count) stay as they were."""
+    if scaler is None:
+        norm = clip_gradients(params, max_norm)
+        optimizer.step()
+        return norm, False
+    scale = scaler.get_scale()
+    scaler.unscale_(optimizer)  # the inf/NaN finding is all-reduced here: every rank agrees
+    norm = clip_gradients(params, max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    # the scale falls only after an inf/NaN step (backoff 0.5) and never falls otherwise (growth 2)
+    skipped = scaler.get_scale() < scale
+    return (None if skipped else norm), skipped
 
 
 def sum_over_ranks(values: list[float], rt, name: str) -> list[float]:
@@ -105,7 +155,8 @@ def maybe_crash(cfg: TrainConfig, rank: int, step: int) -> None:
         raise RuntimeError(f"--crash-at-step: injected crash at step {step}")
 
 
-def static_step(cfg: TrainConfig, rt, data, model, batch: int, step: int, autocast) -> tuple[float, float]:
+def static_step(cfg: TrainConfig, rt, data, model, batch: int, step: int, autocast,
+                scaler=None) -> tuple[float, float]:
     """One step at the fixed ``(dp, cp)`` mesh: this rank's data-parallel slice of the step's ``batch``
     sequences (``batch / dp`` forward and backward passes, the same number on every rank, as FSDP2's
     collectives require), sharded over its cp group. Returns the global loss and the sum of the
@@ -122,12 +173,12 @@ def static_step(cfg: TrainConfig, rt, data, model, batch: int, step: int, autoca
                                    group=rt.cp_group, method=cfg.cp_method))
     # the global number of labels normalises every rank's share (each label is on exactly one rank)
     count = max(sum_over_ranks([float(sum(b.num_valid for b in shards))], rt, "label count all-reduce")[0], 1.0)
-    loss_sum = forward_backward(model, shards, count, autocast, cfg.loss_chunk)
+    loss_sum = forward_backward(model, shards, count, autocast, cfg.loss_chunk, scaler)
     maybe_crash(cfg, rt.rank, step)
     cp = rt.world // rt.dp  # the cp ranks of a group hold the same sequences
     total, squares = sum_over_ranks([float(loss_sum), squares / cp], rt, "loss all-reduce")
     return total / count, squares
 
 
-__all__ = ["clip_gradients", "forward_backward", "lr_at", "maybe_crash", "peak_memory_mib", "static_step",
-           "sum_over_ranks", "sync", "token_loss"]
+__all__ = ["backward", "clip_gradients", "forward_backward", "lr_at", "make_scaler", "maybe_crash",
+           "optimizer_step", "peak_memory_mib", "static_step", "sum_over_ranks", "sync", "token_loss"]

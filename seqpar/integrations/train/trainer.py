@@ -12,7 +12,9 @@ FSDP2 sums the gradients over all W ranks, so a step is the same computation wha
 
 Launch: ``--nproc N`` spawns N local CPU ranks (gloo); under ``torchrun`` the launched ranks are
 used (NCCL on GPUs, gloo on CPU); ``--nproc 1`` runs in this process (no sharding, autocast for
-``--dtype``). Checkpoints: see :mod:`.ckpt`. Data: see :mod:`.data` and :mod:`.tokens`.
+``--dtype``). ``--dtype float16`` scales the loss dynamically (:func:`.step.make_scaler`; a step whose
+gradients overflow is skipped on every rank and recorded as ``skipped``). Checkpoints: see :mod:`.ckpt`.
+Data: see :mod:`.data` and :mod:`.tokens`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .ckpt import load_checkpoint, model_fingerprint, resolve_resume, save_check
 from .config import TrainConfig, global_batch, model_folder, open_data, parse_args, validate, world_size_of
 from .flops import attention_shape, peak_flops, step_flops
 from .log import TrainLog, plot_losses, summary
-from .step import clip_gradients, lr_at, maybe_crash, peak_memory_mib, static_step, sync
+from .step import lr_at, make_scaler, maybe_crash, optimizer_step, peak_memory_mib, static_step, sync
 
 
 @dataclass
@@ -114,6 +116,9 @@ class _Run:
     result: TrainResult
     log: TrainLog
     runner: object = None  # the AdaptiveRunner of --adaptive
+    scaler: object = None  # --dtype float16's loss scaler (None otherwise)
+    step_scale: float | None = None  # the scale of the running step's loss (fp16)
+    skipped: bool = False  # whether the running step's update was skipped (fp16: inf/NaN gradients)
     num_params: int = 0
     shape: tuple = ()
     peak: float | None = None
@@ -131,7 +136,7 @@ def _adaptive_runner(cfg: TrainConfig, rt: Runtime, folder):
 
 def _resume(cfg: TrainConfig, run: "_Run") -> None:
     resume_from = resolve_resume(cfg.resume, cfg.save)
-    meta = (load_checkpoint(resume_from, run.model, run.optimizer, run.fingerprint)
+    meta = (load_checkpoint(resume_from, run.model, run.optimizer, run.fingerprint, scaler=run.scaler)
             if resume_from is not None else None)
     if meta is not None:
         run.result.start_step, run.result.history = meta["step"], list(meta.get("history", []))
@@ -165,7 +170,8 @@ def _start(cfg: TrainConfig) -> _Run:
                 "seq_len": cfg.seq_len, "batch_size": batch, "seed": cfg.seed}
     run = _Run(cfg, rt, data, model, folder, params, optimizer, batch, settings, model_fingerprint(model),
                TrainResult(), None, runner, num_params=sum(p.numel() for p in params),
-               shape=attention_shape(model.config), peak=peak_flops(rt.device, cfg.dtype))
+               shape=attention_shape(model.config), peak=peak_flops(rt.device, cfg.dtype),
+               scaler=make_scaler(cfg, rt))
     _resume(cfg, run)
     param_bytes = int(max_over_ranks(local_bytes(params), rt, "parameter bytes all-reduce"))  # bytes: an int
     mode = "adaptive" if cfg.adaptive else f"cp={cfg.context_parallel} ({cfg.cp_method}) x dp={rt.dp}"
@@ -186,18 +192,19 @@ def _step(run: _Run, step: int, autocast):
     """Forward and backward of one step: ``(loss, sum of squared document lengths, plan or None)``."""
     cfg, rt = run.cfg, run.rt
     if run.runner is None:
-        loss, squares = static_step(cfg, rt, run.data, run.model, run.batch, step, autocast)
+        loss, squares = static_step(cfg, rt, run.data, run.model, run.batch, step, autocast, run.scaler)
         return loss, squares, None
     lengths = [cfg.seq_len] * run.batch
     plan = run.runner.plan(lengths)
     first = (step - 1) * run.batch
-    loss, squares = run.runner.step(plan, lengths, lambda i: run.data.sequence(first + i), rt, autocast=autocast)
+    loss, squares = run.runner.step(plan, lengths, lambda i: run.data.sequence(first + i), rt, autocast=autocast,
+                                    scaler=run.scaler)
     maybe_crash(cfg, rt.rank, step)
     return loss, squares, plan
 
 
-def _record(run: _Run, step: int, loss: float, squares: float, plan, lr: float, grad_norm: float, dt: float,
-            cpu_s: float) -> dict:
+def _record(run: _Run, step: int, loss: float, squares: float, plan, lr: float, grad_norm: float | None,
+            dt: float, cpu_s: float) -> dict:
     """The step's record (peak memory the max over ranks, CPU seconds summed: on a shared machine wall
     time measures the neighbours too)."""
     cfg, rt = run.cfg, run.rt
@@ -214,6 +221,8 @@ def _record(run: _Run, step: int, loss: float, squares: float, plan, lr: float, 
            "cpu_s": float(cpu[0]), "world": rt.world, "model_flops": flops,
            "mfu": flops / (dt * rt.world * run.peak) if run.peak else None,
            "context_parallel": None if cfg.adaptive else cfg.context_parallel}
+    if run.scaler is not None:  # fp16: the scale this step's loss was multiplied by, and whether it was skipped
+        rec["loss_scale"], rec["skipped"] = run.step_scale, run.skipped
     if plan is not None:
         rec["groups"] = [[g.start, g.size, g.method, len(g.seqs)] for g in plan.groups]
     return rec
@@ -226,7 +235,7 @@ def _maybe_save(run: _Run, step: int) -> None:
                 "run": {"world": run.rt.world, "context_parallel": cfg.context_parallel,
                         "cp_method": cfg.cp_method, "adaptive": cfg.adaptive, "lr": cfg.lr,
                         "steps": cfg.steps, "dtype": cfg.dtype, "model": cfg.model}}
-        path = save_checkpoint(cfg.save, step, run.model, run.optimizer, meta)
+        path = save_checkpoint(cfg.save, step, run.model, run.optimizer, meta, scaler=run.scaler)
         run.result.checkpoint = str(path)
         run.log.info(f"saved {path}")
 
@@ -235,12 +244,16 @@ def _train_step(run: _Run, step: int, autocast) -> dict:
     cfg = run.cfg
     sync(run.rt.device)
     t0, c0 = time.perf_counter(), time.process_time()
+    run.step_scale = run.scaler.get_scale() if run.scaler is not None else None
     loss, squares, plan = _step(run, step, autocast)
-    grad_norm = clip_gradients(run.params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    # a step skipped for inf/NaN gradients (fp16) still consumes its step number, learning rate and
+    # data (torch's GradScaler convention): the schedule and the data order stay functions of the
+    # step alone, so a resumed run replays the same ones; only the update is left out
     lr = lr_at(cfg, step)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
-    run.optimizer.step()
+    grad_norm, run.skipped = optimizer_step(run.optimizer, run.params,
+                                            cfg.grad_clip if cfg.grad_clip > 0 else math.inf, run.scaler)
     run.optimizer.zero_grad(set_to_none=True)
     sync(run.rt.device)
     return _record(run, step, loss, squares, plan, lr, grad_norm, time.perf_counter() - t0, time.process_time() - c0)
