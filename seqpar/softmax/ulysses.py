@@ -36,6 +36,7 @@ Volume per rank (elements; esize bytes each): forward ``(U-1)/U·c·2d`` for q a
 ``2·B·c·D·(Σ_m n_m - n_me)`` for k, v (``= (U-1)/U·c·2d_kv`` when ``Hkv % U == 0``: docs/methods.md
 §4/§8); backward the same (dout out, dq, dk, dv back, in the input dtype). With uneven heads q and
 out are ``B·c·D·(Σ_{m≠me} h_m + (U-1)·h_me)`` and backward's dk, dv ``2·B·c·D·(U-1)·n_me``.
+``return_lse=True`` adds ``(U-1)·B·c·h_me`` fp32 values (the lse's all-to-all, :func:`lse_to_seq`).
 
 Shared by ``ulysses`` and ``usp``: one autograd Function, :class:`UlyssesAttention`; the local step
 is either ``block_forward`` or ``ring_forward`` (never a copy of the ring loop).
