@@ -308,3 +308,21 @@ def test_lse_dtype_one_device(dtype):
     # kernel keeps some steps in bf16 (measured <= 1.7e-5 relative over 5 seeds, as the compat tests'
     # 1.3e-5); a wrong mask or scale moves the lse by 1e-2 or more
     assert _lse_error(lse, want) <= (1e-12 if dtype == torch.float64 else 1e-4)
+
+
+def _module(method):
+    """seqpar.SequenceParallelAttention(...)(q, k, v, sinks=s, return_lse=True) against the function."""
+    _, n = world()
+    kw = _options(method, n)
+    fresh, _ = _leaves(method, kw, seed=9)
+    q, k, v, s = fresh()
+    layer = seqpar.SequenceParallelAttention(method=method, causal=True, window=9, **kw)
+    got = layer(q, k, v, sinks=s, return_lse=True)
+    want = seqpar.attention(q, k, v, method=method, causal=True, window=9, sinks=s, return_lse=True, **kw)
+    return [torch.equal(a, b) for a, b in zip(got, want)], torch.is_tensor(layer(q, k, v, sinks=s))
+
+
+@pytest.mark.parametrize("method", ["striped_ring", "usp"])
+def test_module_form(method):
+    for rank, (same, plain) in enumerate(run_distributed(_module, 2, method, timeout=TIMEOUT)):
+        assert same == [True, True] and plain, f"rank {rank}: module (out, lse) {same}, plain call a tensor: {plain}"

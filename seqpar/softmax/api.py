@@ -323,8 +323,9 @@ FAMILIES = {"ring": (RingAttention, _ring_config), "ulysses": (UlyssesAttention,
 class SequenceParallelAttention(torch.nn.Module):
     """Module form of :func:`attention`: holds the group and options, takes ``(q, k, v)``.
 
-    ``forward(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], cu_seqlens=None, stats=None, sinks=None)
-    -> [B, T_local, Hq, D]`` (``sinks``: the layer's ``[Hq]`` parameter, owned by the caller).
+    ``forward(q [B, T_local, Hq, D], k, v [B, T_local, Hkv, D], cu_seqlens=None, stats=None, sinks=None,
+    return_lse=False) -> [B, T_local, Hq, D]`` (``sinks``: the layer's ``[Hq]`` parameter, owned by the
+    caller; ``return_lse=True``: ``(out, lse [B, Hq, T_local])`` as :func:`attention` returns them).
     ``check_ranks`` as in :func:`attention` (None: on, unless ``SEQPAR_CHECK_RANKS=0``).
     """
 
@@ -340,11 +341,11 @@ class SequenceParallelAttention(torch.nn.Module):
         self.ulysses_degree, self.ring_method = ulysses_degree, ring_method
         self.check_ranks, self.window = check_ranks, window
 
-    def forward(self, q, k, v, cu_seqlens=None, stats: CommStats | None = None, sinks=None):
+    def forward(self, q, k, v, cu_seqlens=None, stats: CommStats | None = None, sinks=None, return_lse: bool = False):
         return attention(q, k, v, group=self.group, method=self.method, causal=self.causal,
                          softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens, backend=self.backend,
                          stats=stats, ulysses_degree=self.ulysses_degree, ring_method=self.ring_method,
-                         check_ranks=self.check_ranks, window=self.window, sinks=sinks)
+                         check_ranks=self.check_ranks, window=self.window, sinks=sinks, return_lse=return_lse)
 
     def extra_repr(self) -> str:
         return f"method={self.method!r}, causal={self.causal}" + (f", window={self.window}" if self.window else "")
