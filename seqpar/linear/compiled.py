@@ -46,41 +46,12 @@ from typing import Any, Callable
 import torch
 
 from ..comm.groups import group_info
+from ..opregistry import CallRegistry, FunctionCtx, op_outputs, option_items, option_key
 from ..tracing import begin, end, resolve
 from .ops import LinearSPFunction
 from .plans import make_exchange, resolve_plan
 
 TENSOR_ARGUMENTS = ("q", "k", "v", "g", "initial_state")  # and cu_seqlens when it is a tensor
-
-
-class _Identity:
-    """An unhashable option (a ``CommStats``, a ``Trace``) compared by identity."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __hash__(self):
-        return id(self.value)
-
-    def __eq__(self, other):
-        return isinstance(other, _Identity) and other.value is self.value
-
-
-def _real(value):
-    """The caller's object behind what Dynamo hands a constant function (a ProcessGroup arrives as
-    a fake script object wrapping the real one); lists become tuples."""
-    value = getattr(value, "real_obj", value)
-    if isinstance(value, (list, tuple)):
-        return tuple(_real(x) for x in value)
-    return value
-
-
-def _value(x):
-    try:
-        hash(x)
-        return x
-    except TypeError:
-        return _Identity(x)
 
 
 @dataclass(frozen=True)
@@ -102,27 +73,18 @@ class RegisteredCall:
         return out
 
 
-_CALLS: list[RegisteredCall] = []  # key -> call; append-only (module docstring)
-_KEYS: dict[tuple, int] = {}  # the call's value -> its key
+_REGISTRY = CallRegistry("seqpar::linear_attention", "seqpar.linear_attention")  # key -> RegisteredCall
 
 
 @torch.compiler.assume_constant_result
 def register_call(setup, cu_tensor: bool, **options) -> int:
     """The key of a call's non-tensor arguments; run by Dynamo at trace time, its result a constant."""
-    options = {name: _real(value) for name, value in options.items()}
-    value = (setup, tuple((n, _value(o)) for n, o in sorted(options.items())), cu_tensor)
-    if value not in _KEYS:
-        _KEYS[value] = len(_CALLS)
-        _CALLS.append(RegisteredCall(setup, tuple(sorted(options.items())), cu_tensor))
-    return _KEYS[value]
+    items = option_items(options)
+    return _REGISTRY.register((setup, option_key(items), cu_tensor), RegisteredCall(setup, items, cu_tensor))
 
 
 def _call(key: int) -> RegisteredCall:
-    if not 0 <= key < len(_CALLS):
-        raise RuntimeError(f"seqpar::linear_attention: call key {key} was not issued in this process; a compiled "
-                           "graph that calls seqpar.linear_attention must be traced (torch.compile) in the process "
-                           "that runs it")
-    return _CALLS[key]
+    return _REGISTRY.get(key)
 
 
 @torch.compiler.assume_constant_result
@@ -139,42 +101,6 @@ def gathered_ranks(key: int) -> int:
         return 0
 
 
-class _Ctx:
-    """Stands in for autograd's ctx when the op runs the Function's forward or backward directly."""
-
-    def __init__(self, saved=(), cfg=None, kept=None, needs_input_grad=()):
-        self.saved_tensors, self.cfg, self.saved = tuple(saved), cfg, kept
-        self.needs_input_grad = needs_input_grad
-
-    def save_for_backward(self, *tensors):
-        self.saved_tensors = tensors
-
-
-def _standard(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with the contiguous strides the fake implementation promises (a copy only when not)."""
-    if t.stride() == torch.empty(t.shape, device="meta").stride():
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-
-
-def _fresh(t: torch.Tensor, others) -> torch.Tensor:
-    """``t``, copied when it shares memory with one of ``others``: an op's outputs may alias neither
-    its inputs nor each other (rank 0's incoming state is ``initial_state`` itself when that is
-    already in the compute dtype; a single device's final state is its outgoing state)."""
-    if any(o is not None and o.numel() and t.numel() and o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-           for o in others):
-        return t.clone()
-    return t
-
-
-def _outputs(tensors, inputs):
-    """``tensors`` as op outputs: contiguous, aliasing neither ``inputs`` nor each other."""
-    out = []
-    for t in tensors:
-        out.append(_standard(_fresh(t, tuple(inputs) + tuple(out))))
-    return out
-
-
 @torch.library.custom_op("seqpar::linear_attention_fwd", mutates_args=())
 def linear_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
                initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, key: int, final: bool,
@@ -184,13 +110,13 @@ def linear_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     trace = resolve(arguments["trace"])
     begin(trace, "linear fwd")
     cfg = call.setup(arguments, trace=trace)
-    ctx = _Ctx()
+    ctx = FunctionCtx()
     result = LinearSPFunction.forward(ctx, q, k, v, g, initial_state, cfg)
     end(trace, "linear fwd")
     o, ht = result if cfg.output_final_state else (result, q.new_empty(0))
     s_in, gam, exchange = ctx.saved
     inputs = (q, k, v, g, initial_state, cu_seqlens)
-    o, ht, *saved = _outputs([o, ht, s_in, gam, *exchange.kept()], inputs)
+    o, ht, *saved = op_outputs([o, ht, s_in, gam, *exchange.kept()], inputs)
     return o, ht, saved
 
 
@@ -222,10 +148,11 @@ def linear_bwd(do: torch.Tensor, dfinal: torch.Tensor | None, q: torch.Tensor, k
     s_in, gam, *kept = saved
     exchange = make_exchange(cfg.info, cfg.plan, cfg.stats, trace)
     exchange.restore(kept)
-    ctx = _Ctx((q, k, v, g, initial_state), cfg, (s_in, gam, exchange), (True, True, True, g is not None, need_dh0))
+    ctx = FunctionCtx((q, k, v, g, initial_state), cfg, (True, True, True, g is not None, need_dh0),
+                      saved=(s_in, gam, exchange))
     grads = list(LinearSPFunction.backward(ctx, do, dfinal)[:5])
     grads = [q.new_empty(0) if x is None else x for x in grads]
-    return tuple(_outputs(grads, (do, dfinal, q, k, v, g, initial_state, cu_seqlens, *saved)))
+    return tuple(op_outputs(grads, (do, dfinal, q, k, v, g, initial_state, cu_seqlens, *saved)))
 
 
 @linear_bwd.register_fake

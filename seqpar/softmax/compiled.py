@@ -56,6 +56,7 @@ import torch
 from ..comm import group_info
 from ..comm.usp_groups import describe_usp
 from ..methods import method as declared
+from ..opregistry import CallRegistry, FunctionCtx, fresh, option_items, option_key, standard
 from ..tracing import begin, end, resolve
 from .executor import RingAttention
 from .ulysses import UlyssesAttention, split_heads
@@ -66,36 +67,6 @@ TENSOR_ARGUMENTS = ("q", "k", "v", "sinks")  # and cu_seqlens when it is a tenso
 # an input or ``out``, an int the index in the op's ``saved`` output.
 _SAVED = {RingAttention: ("q", "k", "v", "out", 0, "sinks"),
           UlyssesAttention: (0, 1, 2, 3, 4, "sinks")}
-
-
-class _Identity:
-    """An unhashable option (a ``CommStats``, a list of groups, a ``Trace``) compared by identity."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __hash__(self):
-        return id(self.value)
-
-    def __eq__(self, other):
-        return isinstance(other, _Identity) and other.value is self.value
-
-
-def _real(value):
-    """The caller's object behind what Dynamo hands a constant function (a ProcessGroup arrives as
-    a fake script object wrapping the real one); lists become tuples."""
-    value = getattr(value, "real_obj", value)
-    if isinstance(value, (list, tuple)):
-        return tuple(_real(x) for x in value)
-    return value
-
-
-def _value(x):
-    try:
-        hash(x)
-        return x
-    except TypeError:
-        return _Identity(x)
 
 
 @dataclass(frozen=True)
@@ -118,56 +89,19 @@ class RegisteredCall:
         return out
 
 
-_CALLS: list[RegisteredCall] = []  # key -> call; append-only (module docstring)
-_KEYS: dict[tuple, int] = {}  # the call's value -> its key
+_REGISTRY = CallRegistry("seqpar::attention", "seqpar.attention")  # key -> RegisteredCall (module docstring)
 
 
 @torch.compiler.assume_constant_result
 def register_call(setup, needs_grad: bool, cu_tensor: bool, **options) -> int:
     """The key of a call's non-tensor arguments; run by Dynamo at trace time, its result a constant."""
-    options = {name: _real(value) for name, value in options.items()}
-    value = (setup, tuple((n, _value(o)) for n, o in sorted(options.items())), cu_tensor, needs_grad)
-    if value not in _KEYS:
-        _KEYS[value] = len(_CALLS)
-        _CALLS.append(RegisteredCall(setup, tuple(sorted(options.items())), cu_tensor, needs_grad))
-    return _KEYS[value]
+    items = option_items(options)
+    return _REGISTRY.register((setup, option_key(items), cu_tensor, needs_grad),
+                              RegisteredCall(setup, items, cu_tensor, needs_grad))
 
 
 def _call(key: int) -> RegisteredCall:
-    if not 0 <= key < len(_CALLS):
-        raise RuntimeError(f"seqpar::attention: call key {key} was not issued in this process; a compiled graph "
-                           "that calls seqpar.attention must be traced (torch.compile) in the process that runs it")
-    return _CALLS[key]
-
-
-class _Ctx:
-    """Stands in for autograd's ctx when the op runs a Function's forward or backward directly."""
-
-    def __init__(self, saved=(), cfg=None, needs_input_grad=()):
-        self.saved_tensors, self.cfg, self.needs_input_grad = tuple(saved), cfg, needs_input_grad
-
-    def save_for_backward(self, *tensors):
-        self.saved_tensors = tensors
-
-    def mark_non_differentiable(self, *tensors):  # the op's outputs: compiled_attention detaches the lse
-        pass
-
-
-def _standard(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with the contiguous strides the fake implementation promises (a copy only when not)."""
-    if t.stride() == torch.empty(t.shape, device="meta").stride():
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-
-
-def _fresh(t: torch.Tensor, others) -> torch.Tensor:
-    """``t``, copied when it shares memory with one of ``others``: an op's outputs may alias neither
-    its inputs nor each other (a one-member Ulysses axis returns its inputs as the head-sharded
-    tensors; allgather_kv's dK, dV are two halves of one reduce-scatter buffer)."""
-    if any(o is not None and o.numel() and t.numel() and o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-           for o in others):
-        return t.clone()
-    return t
+    return _REGISTRY.get(key)
 
 
 @torch.library.custom_op("seqpar::attention_fwd", mutates_args=())
@@ -179,20 +113,20 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
     trace = resolve(arguments["trace"])
     begin(trace, "attention fwd")
     function, args = call.setup(q, k, v, arguments, trace=trace, needs_grad=call.needs_grad)
-    ctx = _Ctx()
+    ctx = FunctionCtx()
     out, lse = function.forward(ctx, *args) if with_lse else (function.forward(ctx, *args), None)
-    out = _standard(out)
+    out = standard(out)
     end(trace, "attention fwd")
     layout = _SAVED[function]
     saved = [None] * sum(isinstance(x, int) for x in layout)
     named = dict(zip(("q", "k", "v", "sinks"), args[:4]), out=out)
     for where, t in zip(layout, ctx.saved_tensors):
         if isinstance(where, int):
-            saved[where] = _standard(_fresh(t, (q, k, v, out, *saved[:where])))
+            saved[where] = standard(fresh(t, (q, k, v, out, *saved[:where])))
         elif t is not named[where]:
             raise RuntimeError(f"seqpar::attention_fwd: {function.__name__} saved another tensor than {where}")
     if with_lse:  # (the ring family's is its saved lse: copied, an output may not alias another)
-        saved.append(_standard(_fresh(lse, (out, *saved))))
+        saved.append(standard(fresh(lse, (out, *saved))))
     return out, saved
 
 
@@ -242,13 +176,13 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     trace = resolve(arguments["trace"])
     function, args = call.setup(q, k, v, arguments, trace=trace, first=False, needs_grad=True)
     named = dict(zip(("q", "k", "v", "sinks"), args[:4]), out=out)
-    ctx = _Ctx([saved[w] if isinstance(w, int) else named[w] for w in _SAVED[function]], args[4],
+    ctx = FunctionCtx([saved[w] if isinstance(w, int) else named[w] for w in _SAVED[function]], args[4],
                (True, True, True, sinks is not None, False))
     grads = list(function.backward(ctx, dout)[:4])
     grads[3] = q.new_empty(0) if grads[3] is None else grads[3]
     inputs = (dout, q, k, v, sinks, cu_seqlens, out, *saved)
     for i, g in enumerate(grads):  # (dK, dV may be views of one buffer: allgather_kv's reduce-scatter)
-        grads[i] = _standard(_fresh(g, inputs + tuple(grads[:i])))
+        grads[i] = standard(fresh(g, inputs + tuple(grads[:i])))
     return tuple(grads)
 
 
