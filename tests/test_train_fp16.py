@@ -128,6 +128,22 @@ def test_inf_on_one_rank_skips_the_step_everywhere(injected):
     assert not any(torch.equal(p2[k], p3[k]) for k in p2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("--context-parallel", 2), ("--replicas", 2)], ids=["cp2_dp2", "hsdp"])
+def test_four_ranks_skip_together_and_equal_one_process(tmp_path, layout):
+    """4 ranks (cp 2 x dp 2; HSDP: 2 replicas of 2 shards), 4 sequences a step, an inf on rank 3 only
+    at step 2: every rank skips it, and every step equals the one-process run with the same inf."""
+    one = _train_on_ranks(_args(tmp_path, "--dtype", "float16", "--batch-size", 4, steps=3), 2)
+    four = run_distributed(_train_on_ranks, 4, _args(tmp_path, "--dtype", "float16", "--batch-size", 4, *layout,
+                                                     steps=3), 2, timeout=600)[0]
+    assert [r["skipped"] for r in four] == [False, True, False]
+    for a, b in zip(four, one, strict=True):
+        what = f"step {b['step']}"
+        assert (a["loss_scale"], a["skipped"]) == (b["loss_scale"], b["skipped"]), what
+        _close(a["loss"], b["loss"], LOSS_RTOL, what + " loss")
+        _close(a["grad_norm"], b["grad_norm"], NORM_RTOL, what + " grad_norm")
+
+
 # ----------------------------------------------------------------------------- the overflow edge
 
 
