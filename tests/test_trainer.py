@@ -3,7 +3,7 @@ across degrees, atomic checkpoints, clear errors.
 
 A tiny Llama with GQA (2 layers, 4 query / 2 KV heads) on the default data (the Python standard
 library's sources), 128 tokens per step, run through the trainer's Python entry (``train(argv)``);
-``--nproc N`` ranks come from the same persistent gloo pools the other distributed tests use.
+``--nproc N`` spawns a fresh pool of N gloo ranks for each run (as a user's command does).
 """
 
 from __future__ import annotations
