@@ -243,6 +243,37 @@ def test_checkpoint(method):
         assert plain == ckpt, f"rank {rank}: bytes sent differ under checkpoint: {plain} vs {ckpt}"
 
 
+def _changed_in_place(method):
+    """The returned lse changed in place, inside the function and after it returns, plain and
+    inside seqpar.checkpoint: out, the lse and every gradient as with an untouched lse."""
+    fresh, dout = _leaves(method, {}, seed=7)
+
+    def fn(q, k, v, s):
+        out, lse = seqpar.attention(q, k, v, method=method, causal=True, sinks=s, return_lse=True)
+        lse.sub_(1.0)  # e.g. rescaling before a merge
+        return out * lse.exp().transpose(1, 2).unsqueeze(-1), lse
+
+    def run(f):
+        leaves = fresh()
+        out, lse = f(*leaves)
+        lse.mul_(0.5)  # after the call: the caller owns it
+        out.backward(dout)
+        return [out.detach(), lse] + [x.grad for x in leaves]
+
+    plain = run(fn)
+    ckpt = run(lambda *x: seqpar.checkpoint(fn, *x))
+    return [torch.equal(a, b) for a, b in zip(plain, ckpt)], all(bool(torch.isfinite(g).all()) for g in ckpt[2:])
+
+
+@pytest.mark.parametrize("method", ["zigzag_ring", "ulysses"])
+def test_returned_lse_is_the_callers(method):
+    """Changing the returned lse in place neither breaks backward (the ring family saves its lse)
+    nor changes what seqpar.checkpoint replays (it recorded that lse): before the copy the plain
+    ring call raised in backward and the checkpointed one returned inf gradients."""
+    for rank, (same, finite) in enumerate(run_distributed(_changed_in_place, 2, method, timeout=TIMEOUT)):
+        assert finite and all(same), f"rank {rank}: (out, lse, dq, dk, dv, ds) under checkpoint equal plain: {same}"
+
+
 def _bad_flag(value, check_ranks):
     fresh, _ = _leaves("ring", {})
     q, k, v, _ = fresh()

@@ -125,7 +125,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torc
             saved[where] = standard(fresh(t, (q, k, v, out, *saved[:where])))
         elif t is not named[where]:
             raise RuntimeError(f"seqpar::attention_fwd: {function.__name__} saved another tensor than {where}")
-    if with_lse:  # (the ring family's is its saved lse: copied, an output may not alias another)
+    if with_lse:  # (a copy already, lse.returned; fresh() keeps the rule that outputs alias nothing)
         saved.append(standard(fresh(lse, (out, *saved))))
     return out, saved
 

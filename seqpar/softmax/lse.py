@@ -12,6 +12,9 @@ A row that sees no key has ``lse = -inf`` (and ``out = 0``): the padding rows of
 (``cu_seqlens``), which a sink does not change either (their output stays 0). Dense rows, causal
 or windowed, always see at least their own key.
 
+The returned lse is the caller's own tensor (a copy): changing it in place changes nothing that
+the backward or :func:`seqpar.checkpoint`'s replay reads.
+
 **Not differentiable.** ``lse`` is marked non-differentiable: it has no ``grad_fn``, so a backward
 through it alone raises torch's usual error ("does not require grad"), and one through a sum with
 ``out`` gets the gradient of ``out`` only. Why not exact gradients through it: the gradient is a
@@ -38,9 +41,15 @@ def check_return_lse(return_lse) -> None:
 
 
 def returned(ctx, out: torch.Tensor, lse: torch.Tensor | None, with_lse: bool):
-    """A family Function's forward result: ``out``, or ``(out, lse)`` with lse non-differentiable."""
+    """A family Function's forward result: ``out``, or ``(out, lse)`` with lse non-differentiable.
+
+    The lse returned is a copy (``B·Hq·T_local`` values): the ring family saves its lse for backward
+    and :func:`seqpar.checkpoint` records it for the replay, so a caller changing the returned one in
+    place (``lse.sub_(m)`` when merging) would otherwise make backward raise, or, under
+    ``seqpar.checkpoint``, replay the changed values into the backward (silently wrong gradients)."""
     if not with_lse:
         return out
+    lse = lse.clone()
     ctx.mark_non_differentiable(lse)
     return out, lse
 
