@@ -297,6 +297,13 @@ def _validate_loss_scale(cfg: TrainConfig) -> None:
                              "or add --dtype float16")
     if cfg.loss_scale_init is not None and not (math.isfinite(cfg.loss_scale_init) and cfg.loss_scale_init > 0):
         raise ValueError(f"--loss-scale-init: expected a positive finite scale (e.g. 65536), got {cfg.loss_scale_init}")
+    # the scaler holds its scale in fp32: above fp32's largest value it cannot be stored (torch raises at
+    # the first step); below its smallest normal one the scale's inverse overflows (or the scale rounds
+    # to 0), which makes the gradients inf/NaN after the inf check has passed them: NaN weights, no skip
+    low, high = 2.0**-126, (2 - 2.0**-23) * 2.0**127
+    if cfg.loss_scale_init is not None and not low <= cfg.loss_scale_init <= high:
+        raise ValueError(f"--loss-scale-init: the scale is held in float32, so it must lie in [{low:.3g}, {high:.3g}] "
+                         f"(e.g. 65536); got {cfg.loss_scale_init}")
     if cfg.loss_scale_growth_interval is not None and cfg.loss_scale_growth_interval < 1:
         raise ValueError(f"--loss-scale-growth-interval: expected a positive number of steps, got "
                          f"{cfg.loss_scale_growth_interval}")
