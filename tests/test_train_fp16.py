@@ -208,13 +208,15 @@ def test_adaptive_scales_like_the_fixed_mesh(edge):
 
 
 def test_fp32_checkpoint_resumes_in_fp16_and_back(edge, tmp_path):
-    """A checkpoint without a scaler (fp32) loads into an fp16 run (fresh scale), and an fp16 one into
-    an fp32 run (its scaler state ignored)."""
+    """A checkpoint without a scaler (fp32) loads into an fp16 run (fresh scale: --loss-scale-init's,
+    recorded as the float32 number the loss was multiplied by), and an fp16 one into an fp32 run (its
+    scaler state ignored)."""
     tmp, _ = edge
     train(_args(tmp_path, "--save", tmp_path / "f32", steps=1))
     assert not trainer_ckpt._has_scaler(tmp_path / "f32" / "step_00000001")
-    res = train(_args(tmp_path, "--dtype", "float16", "--resume", tmp_path / "f32", steps=2))
-    assert res.start_step == 1 and res.history[1]["loss_scale"] == 2.0**16
+    res = train(_args(tmp_path, "--dtype", "float16", "--loss-scale-init", 1000.1, "--resume", tmp_path / "f32",
+                      steps=2))
+    assert res.start_step == 1 and res.history[1]["loss_scale"] == float(torch.tensor(1000.1, dtype=torch.float32))
     back = train(_args(tmp_path, "--resume", tmp / "ckpt" / "step_00000002", steps=3))
     assert back.start_step == 2 and "loss_scale" not in back.history[-1]
 

@@ -83,6 +83,9 @@ def make_scaler(cfg: TrainConfig, rt):
     if cfg.dtype != "float16":
         return None
     init = 2.0**16 if cfg.loss_scale_init is None else cfg.loss_scale_init  # torch's defaults
+    # the scaler multiplies by its fp32 scale but reports the Python number until its first scale():
+    # rounded here, the first step's record says the factor used (1000.1 -> 1000.0999755859375)
+    init = float(torch.tensor(init, dtype=torch.float32))
     interval = 2000 if cfg.loss_scale_growth_interval is None else cfg.loss_scale_growth_interval
     if rt.mesh is None:
         return torch.amp.GradScaler(rt.device.type, init_scale=init, growth_interval=interval)
