@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,12 @@ def optimizer_step(optimizer, params, max_norm: float, scaler=None) -> tuple[flo
         optimizer.step()
         return norm, False
     scale = scaler.get_scale()
-    scaler.unscale_(optimizer)  # the inf/NaN finding is all-reduced here: every rank agrees
+    with warnings.catch_warnings():
+        # torch's DTensor handler of the inf check wraps the scaler's found_inf (shape [1]) as a replicated
+        # DTensor and warns about its shape, on every rank and run; the finding is still right (the max over
+        # the mesh's shard dims, then the scaler's all-reduce over the world)
+        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
+        scaler.unscale_(optimizer)  # the inf/NaN finding is all-reduced here: every rank agrees
     norm = clip_gradients(params, max_norm)
     scaler.step(optimizer)
     scaler.update()
