@@ -200,11 +200,26 @@ def test_resume_replays_the_scale_exactly(edge):
     the uninterrupted run bit for bit: a lost scale or growth tracker changes which steps overflow."""
     tmp, cp2 = edge
     assert [r["skipped"] for r in cp2.history[:3]] == [True, True, False]
-    assert trainer_ckpt._has_scaler(tmp / "ckpt" / "step_00000003")
+    assert trainer_ckpt.has_scaler(tmp / "ckpt" / "step_00000003")
     args = _args(tmp, *EDGE, "--context-parallel", 2, "--resume", tmp / "ckpt" / "step_00000003")
     resumed = run_distributed(_train_on_ranks, 2, args, timeout=300)[0]
     keys = ("step", "loss", "grad_norm", "loss_scale", "skipped", "lr")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in cp2.history]
+
+
+def test_one_process_resumes_the_saved_scale_and_says_so(edge, tmp_path, capsys):
+    """The 2-rank run's step-3 checkpoint resumed in one process with another --loss-scale-init: the
+    saved scale (2**18, one clean step towards growth) goes on, as torch's load_state_dict does, and
+    the run says so; step 4 then grows the scale and matches the 2-rank step 4 within fp16 rounding."""
+    tmp, cp2 = edge
+    res = train(_args(tmp_path, *EDGE[:2], "--loss-scale-init", 1024, "--resume", tmp / "ckpt" / "step_00000003",
+                      steps=4))
+    assert "loss scale 262144 restored from the checkpoint (--loss-scale-init 1024 applies to a fresh start only)" \
+        in capsys.readouterr().out
+    a, b = res.history[-1], cp2.history[3]
+    assert (a["step"], a["loss_scale"], a["skipped"]) == (4, 2.0**18, False) == (b["step"], b["loss_scale"], b["skipped"])
+    _close(a["loss"], b["loss"], LOSS_RTOL, "step 4 loss")
+    _close(a["grad_norm"], b["grad_norm"], NORM_RTOL, "step 4 grad_norm")
 
 
 def test_adaptive_scales_like_the_fixed_mesh(edge):
@@ -227,7 +242,7 @@ def test_fp32_checkpoint_resumes_in_fp16_and_back(edge, tmp_path):
     scaler state ignored)."""
     tmp, _ = edge
     train(_args(tmp_path, "--save", tmp_path / "f32", steps=1))
-    assert not trainer_ckpt._has_scaler(tmp_path / "f32" / "step_00000001")
+    assert not trainer_ckpt.has_scaler(tmp_path / "f32" / "step_00000001")
     res = train(_args(tmp_path, "--dtype", "float16", "--loss-scale-init", 1000.1, "--resume", tmp_path / "f32",
                       steps=2))
     assert res.start_step == 1 and res.history[1]["loss_scale"] == float(torch.tensor(1000.1, dtype=torch.float32))

@@ -148,7 +148,7 @@ def _state(model, optimizer, scaler=None):
     return state
 
 
-def _has_scaler(path: Path) -> bool:
+def has_scaler(path: Path) -> bool:
     """Whether the checkpoint at ``path`` holds a loss scaler's state (saved by an fp16 run)."""
     import torch.distributed.checkpoint as dcp
 
@@ -216,7 +216,7 @@ def load_checkpoint(path: str | Path, model, optimizer, fingerprint: dict, scale
     path = Path(path)
     meta = read_meta(path)
     check_same_model(meta, fingerprint, path)
-    state = _state(model, optimizer, scaler if scaler is not None and _has_scaler(path) else None)
+    state = _state(model, optimizer, scaler if scaler is not None and has_scaler(path) else None)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
       "computed in it, gradients reduced in fp32, fp32 master weights and optimizer state; one process: autocast; "
       "float16 adds dynamic loss scaling: a step whose gradients overflow is skipped on every rank)")
     a("--loss-scale-init", type=float, metavar="S", help="with --dtype float16: the initial loss scale "
-      "(default 65536, torch's GradScaler's; halved after each overflow)")
+      "(default 65536, torch's GradScaler's; halved after each overflow; a resumed run continues at its "
+      "checkpoint's scale)")
     a("--loss-scale-growth-interval", type=int, metavar="N", help="with --dtype float16: clean steps before the "
       "loss scale doubles (default 2000)")
     a("--steps", type=int, default=50)

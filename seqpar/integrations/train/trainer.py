@@ -33,7 +33,7 @@ from ...comm.collectives import peer_errors
 from ...comm.launch import launched_by_torchrun, launched_process_group, usable_cores
 from ...comm.pool import WorkerPool
 from .build import Runtime, build_model, local_bytes, max_over_ranks, model_config, optimizer_bytes, setup_runtime
-from .ckpt import load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
+from .ckpt import has_scaler, load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
 from .config import TrainConfig, global_batch, model_folder, open_data, parse_args, validate, world_size_of
 from .flops import attention_shape, peak_flops, step_flops
 from .log import TrainLog, plot_losses, summary
@@ -149,6 +149,10 @@ def _resume(cfg: TrainConfig, run: "_Run") -> None:
         if changed:
             run.log.info(f"warning: {', '.join(changed)} differ from the saved run: the data order is not the one "
                          "the interrupted run would have seen")
+        if run.scaler is not None and has_scaler(resume_from):  # torch's convention: the saved scale goes on
+            init = cfg.loss_scale_init
+            run.log.info(f"loss scale {run.scaler.get_scale():g} restored from the checkpoint"
+                         + (f" (--loss-scale-init {init:g} applies to a fresh start only)" if init is not None else ""))
 
 
 def _start(cfg: TrainConfig) -> _Run:
