@@ -186,13 +186,19 @@ def test_the_scale_halves_on_overflow_and_grows_after_clean_steps(edge):
 
 def test_json_records_loss_scale_and_skipped(edge, tmp_path):
     tmp, _ = edge
-    steps = [r for r in map(json.loads, (tmp / "cp2.jsonl").read_text().splitlines()) if "step" in r]
+    records = list(map(json.loads, (tmp / "cp2.jsonl").read_text().splitlines()))
+    steps = [r for r in records if "step" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     for r in steps:
         assert type(r["loss_scale"]) is float and type(r["skipped"]) is bool
         assert (r["grad_norm"] is None) == r["skipped"]  # no norm of inf/NaN gradients is reported
-    bf16 = train(_args(tmp_path, "--dtype", "bfloat16", steps=1))  # no scaler: the record is unchanged
-    assert not {"loss_scale", "skipped"} & set(bf16.history[0])
+    # the end record counts the skipped steps and gives the scale after the last one (step 5 overflowed)
+    end = records[-1]
+    assert end["event"] == "end" and steps[-1]["skipped"]
+    assert (end["skipped_steps"], end["loss_scale"]) == (sum(r["skipped"] for r in steps), steps[-1]["loss_scale"] / 2)
+    bf16 = train(_args(tmp_path, "--dtype", "bfloat16", "--json", tmp_path / "bf16.jsonl", steps=1))
+    bf16_end = json.loads((tmp_path / "bf16.jsonl").read_text().splitlines()[-1])
+    assert not {"loss_scale", "skipped", "skipped_steps"} & (set(bf16.history[0]) | set(bf16_end))  # no scaler
 
 
 def test_resume_replays_the_scale_exactly(edge):

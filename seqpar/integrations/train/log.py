@@ -73,7 +73,9 @@ def summary(log: TrainLog, result, extra: dict | None = None) -> None:
     per_cpu_s = sum(r["tokens"] for r in timed) / max(sum(r.get("cpu_s", 0.0) for r in timed), 1e-9)
     log.info(f"done: step {ran[-1]['step']}, loss {ran[0]['loss']:.4f} -> {ran[-1]['loss']:.4f}, "
              f"{median:,.0f} tok/s median ({tps:,.0f} mean) after step 1, {per_cpu_s:,.0f} tokens per CPU-second "
-             f"(all ranks), peak mem {max(r['peak_mem_mib'] for r in ran):,.0f} MiB per rank")
+             f"(all ranks), peak mem {max(r['peak_mem_mib'] for r in ran):,.0f} MiB per rank"
+             + (f", {extra['skipped_steps']} of {len(ran)} step(s) skipped for inf/NaN gradients (loss scale now "
+                f"{extra['loss_scale']:g})" if extra and "skipped_steps" in extra else ""))
     log.event({"event": "end", "tokens_per_s": tps, "tokens_per_s_median": median,
                "tokens_per_cpu_s": per_cpu_s, "final_loss": ran[-1]["loss"], "checkpoint": result.checkpoint,
                **(extra or {})})

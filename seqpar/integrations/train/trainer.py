@@ -274,7 +274,12 @@ def _finish(run: _Run) -> None:
         export_hf(run.model, cfg.export_hf, config=config,
                   tokenizer=run.folder.tokenizer if run.folder is not None else None)
         run.log.info(f"exported {cfg.export_hf}")
-    summary(run.log, run.result, {"optim_bytes_local": optim, "export_hf": cfg.export_hf})
+    extra = {"optim_bytes_local": optim, "export_hf": cfg.export_hf}
+    if run.scaler is not None:  # fp16: this run's skipped steps and the scale its next step would use
+        extra["skipped_steps"] = sum(bool(r.get("skipped")) for r in run.result.history
+                                     if r["step"] > run.result.start_step)
+        extra["loss_scale"] = run.scaler.get_scale()
+    summary(run.log, run.result, extra)
 
 
 def _rank_main(cfg: TrainConfig) -> TrainResult | None:
