@@ -325,6 +325,7 @@ def test_scaling_rescues_gradients_below_fp16_range(tmp_path):
     (("--dtype", "float16", "--loss-scale-init", 0), "--loss-scale-init: expected a positive finite scale"),
     (("--dtype", "float16", "--loss-scale-init", "inf"), "--loss-scale-init: expected a positive finite scale"),
     (("--dtype", "float16", "--loss-scale-growth-interval", 0), "--loss-scale-growth-interval: expected a positive"),
+    (("--dtype", "float16", "--loss-scale-growth-interval", 10**20), "--loss-scale-growth-interval: expected a positive"),
     # outside float32's normal range: torch's error at the first step (1e40); a scale of 0, NaN parameters and
     # no step reported skipped (1e-50)
     (("--dtype", "float16", "--loss-scale-init", 1e40), "--loss-scale-init: the scale is held in float32"),

@@ -305,8 +305,9 @@ def _validate_loss_scale(cfg: TrainConfig) -> None:
     if cfg.loss_scale_init is not None and not low <= cfg.loss_scale_init <= high:
         raise ValueError(f"--loss-scale-init: the scale is held in float32, so it must lie in [{low:.3g}, {high:.3g}] "
                          f"(e.g. 65536); got {cfg.loss_scale_init}")
-    if cfg.loss_scale_growth_interval is not None and cfg.loss_scale_growth_interval < 1:
-        raise ValueError(f"--loss-scale-growth-interval: expected a positive number of steps, got "
+    # the scaler counts clean steps in an int32 tensor
+    if cfg.loss_scale_growth_interval is not None and not 1 <= cfg.loss_scale_growth_interval < 2**31:
+        raise ValueError(f"--loss-scale-growth-interval: expected a positive number of steps below 2**31, got "
                          f"{cfg.loss_scale_growth_interval}")
 
 
