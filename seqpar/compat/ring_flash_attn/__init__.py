@@ -21,7 +21,10 @@ and GPU (NCCL), needs no flash-attn build, never expands GQA's K,V heads:
   ``update_ring_flash_attn_params``, ``use_ring_attn``, ``DATA_PARAMS``.
 
 ``return_attn_probs=True`` returns ``(out, lse, None)`` like the original (lse fp32, ``[B, H, T_local]``
-dense, ``[H, T_local]`` varlen; it costs one more attention forward). Where seqpar differs:
+dense, ``[H, T_local]`` varlen; from the same single forward). Under ``torch.compile`` each call runs
+eagerly (``torch.compiler.disable``: a graph break around it; its rank checks and, for llama3, the
+offsets' all-gathers cannot be traced), so ``fullgraph=True`` refuses them; ``seqpar.attention``
+itself compiles as one op. Where seqpar differs:
 
 - exact ``window_size`` in every layout (causal: ``(left, *)``; non-causal: symmetric ``(w, w)``);
 - ``zigzag_*`` and ``stripe_*`` also take ``causal=False`` (the original asserts causal);

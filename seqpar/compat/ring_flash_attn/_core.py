@@ -64,6 +64,13 @@ def window_of(window_size, causal: bool) -> int | None:
     return None if left == -1 else left + 1
 
 
+def eager_only(fn):
+    """``fn`` run eagerly under ``torch.compile`` (a graph break around each call): the drop-in's rank
+    checks and llama3's offset all-gathers cannot be traced; ``fullgraph=True`` refuses it, saying why."""
+    return torch.compiler.disable(fn, reason="the ring-flash-attention drop-in runs eagerly (its rank checks cannot "
+                                             "be traced); under fullgraph=True call seqpar.attention (one op)")
+
+
 def checked(group, entry: str, fields: dict, local_checks, *, like=None):
     """``local_checks()`` (no communication) with seqpar's rank agreement around it
     (:func:`seqpar.comm.agreement.agreed`, ceil(log2 N) small messages; off with

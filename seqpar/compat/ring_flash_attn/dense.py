@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from ._core import attend, check_options, checked, option_fields, result
+from ._core import attend, check_options, checked, eager_only, option_fields, result
 
 
+@eager_only
 def _run(method, inputs, unpack, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
          return_attn_probs, group):
     def local():

@@ -29,7 +29,7 @@ from seqpar.comm.agreement import agreed
 from seqpar.comm.groups import collective_device
 from seqpar.layouts import StreamLayout, check_cu_seqlens
 
-from ._core import attend, check_options, option_fields, result
+from ._core import attend, check_options, eager_only, option_fields, result
 from .varlen import check_streams, split
 
 
@@ -108,6 +108,7 @@ def _global_layout(info, mine: list[int], t_local: int) -> StreamLayout:
     return cached_stream_layout(tuple(sorted({x for x in every if x >= 0} | {0, info.size * t_local})), info.size)
 
 
+@eager_only
 def _run(inputs, unpack, cu_seqlens_q, cu_seqlens_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale, causal,
          window_size, alibi_slopes, deterministic, return_attn_probs, group):
     options = dict(dropout_p=dropout_p, alibi_slopes=alibi_slopes, window_size=window_size, deterministic=deterministic,

@@ -29,7 +29,7 @@ import torch
 from seqpar.comm import group_info
 from seqpar.layouts import PackedLayout, check_cu_seqlens, layout_of
 
-from ._core import attend, check_options, checked, option_fields, result
+from ._core import attend, check_options, checked, eager_only, option_fields, result
 
 #: per layout: how many equal chunks of every document one rank's piece is made of
 _CHUNKS = {"ring": 1, "zigzag_ring": 2}
@@ -54,6 +54,7 @@ def packed_layout_of(cu_seqlens, t_local: int, method: str, group) -> PackedLayo
     return _layout(tuple(x * n for x in local), method, n)
 
 
+@eager_only
 def _run(method, inputs, unpack, cu_seqlens, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
          deterministic, return_attn_probs, group):
     def local():
