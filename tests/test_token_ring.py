@@ -21,14 +21,15 @@ from dist_utils import BF16_FACTOR, BF16_FLOOR, check_errors, global_inputs, ref
 
 
 def run_parallel(method, causal, low, *, stats=None, channels=True, **kw):
-    """Shard, run fwd+bwd with ``TokenRingGroups`` (or the plain world group), gather back."""
+    """Shard, run fwd+bwd with ``TokenRingGroups`` (or the plain world group), gather back; shard and
+    unshard take the same ``group`` as the attention."""
     group = TokenRingGroups() if channels else None
-    ql, kl, vl, dl = (seqpar.shard(t, method=method) for t in low)
+    ql, kl, vl, dl = (seqpar.shard(t, method=method, group=group) for t in low)
     ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
     out = seqpar.attention(ql, kl, vl, method=method, causal=causal, stats=stats, group=group, **kw)
     out.backward(dl)
     assert out.dtype == ql.dtype and ql.grad.dtype == ql.dtype and kl.grad.dtype == kl.dtype
-    return [seqpar.unshard(t, method=method) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
+    return [seqpar.unshard(t, method=method, group=group) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
 
 
 def compare(method, causal, B, T, Hq, Hkv, D, dtype, seed, channels=True):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import CommStats
+from ..comm import CommStats, TokenRingGroups
 from ..comm.agreement import agreed, agreement_groups, check_ranks_enabled
 from ..comm.fingerprint import call_fields
 from ..methods import method as declared
@@ -61,6 +61,12 @@ def _check_ranks(entry: str, arguments: dict) -> None:
            local_checks, device=x.device if isinstance(x, torch.Tensor) and x.is_cuda else None)
 
 
+def _plain(group):
+    """The process group or mesh behind ``group``: a ``TokenRingGroups`` (one group plus a duplicate
+    communicator per traffic direction for ``seqpar.attention``) places tokens by its group."""
+    return group.group if isinstance(group, TokenRingGroups) else group
+
+
 def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int = 1, cu_seqlens=None,
           ulysses_degree: int | None = None, ring_method: str | None = None,
           check_ranks: bool = False) -> torch.Tensor:
@@ -68,7 +74,8 @@ def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int 
 
     Args:
         x: the global tensor, identical on every rank, e.g. ``[B, T_global, H, D]`` with ``dim=1``.
-        group: ProcessGroup or 1-D DeviceMesh of the sequence-parallel ranks (None = world).
+        group: ProcessGroup or 1-D DeviceMesh of the sequence-parallel ranks (None = world), or the
+            ``TokenRingGroups`` given to ``seqpar.attention`` (its group is used).
         method: a softmax method of ``seqpar.METHODS`` or a linear method (contiguous shards).
         dim: the token dimension of ``x``.
         ulysses_degree, ring_method: ``method="usp"`` only, as given to ``seqpar.attention``.
@@ -86,6 +93,7 @@ def shard(x: torch.Tensor, *, group=None, method: str = "zigzag_ring", dim: int 
         ``x`` restricted to this rank's tokens along ``dim``: ``T_local = T_global / N`` tokens.
         Purely local (no communication) unless ``check_ranks``.
     """
+    group = _plain(group)
     arguments = dict(locals())
     if check_ranks is not False:
         if check_ranks is not True:
@@ -111,7 +119,9 @@ def unshard(x_local: torch.Tensor, *, group=None, method: str = "zigzag_ring", d
     messages of 56 bytes each way per rank that every rank passed the same arguments (shape, dtype, dim, method,
     cu_seqlens, group members); every rank then raises a ValueError naming the disagreeing rank and
     argument instead of gathering mismatched buffers (which aborts a gloo process). ``False`` skips it.
+    ``group`` as in :func:`shard`.
     """
+    group = _plain(group)
     arguments = dict(locals())
     if torch.compiler.is_compiling():  # a collective with its rank check: runs between two graphs
         return _unshard_between_graphs(**arguments)
@@ -140,6 +150,7 @@ def packed_layout(cu_seqlens, *, method: str = "zigzag_ring", group=None, ulysse
     tensors are cached on the returned object, so every layer after the first reuses them.
     """
     declared(method, kind="softmax")
+    group = _plain(group)
     if split not in ("documents", "stream"):
         raise ValueError(f"split={split!r}: expected 'documents' (every document split over the ranks) or "
                          "'stream' (the packed stream cut into N contiguous pieces)")
