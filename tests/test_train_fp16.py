@@ -142,6 +142,21 @@ def test_inf_on_one_rank_skips_the_step_everywhere(injected):
     assert not any(torch.equal(p2[k], p3[k]) for k in p2)
 
 
+def test_replicas_skip_together(injected):
+    """--replicas 2 on 2 ranks (HSDP, each rank a whole replica), the inf on rank 1 only: DTensor's inf
+    check reduces over the shard dims only, so it is the scaler's all-reduce over the world that makes
+    rank 0 skip too; every step equals the one-process run with the same inf."""
+    tmp, one, _, _ = injected
+    hsdp = run_distributed(_train_on_ranks, 2, _args(tmp, "--dtype", "float16", "--replicas", 2, steps=3), 2,
+                           timeout=300)[0]
+    assert [r["skipped"] for r in hsdp] == [False, True, False]
+    for a, b in zip(hsdp, one, strict=True):
+        what = f"step {b['step']}"
+        assert (a["loss_scale"], a["skipped"]) == (b["loss_scale"], b["skipped"]), what
+        _close(a["loss"], b["loss"], LOSS_RTOL, what + " loss")
+        _close(a["grad_norm"], b["grad_norm"], NORM_RTOL, what + " grad_norm")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [("--context-parallel", 2), ("--replicas", 2)], ids=["cp2_dp2", "hsdp"])
 def test_four_ranks_skip_together_and_equal_one_process(tmp_path, layout):
