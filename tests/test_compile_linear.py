@@ -204,16 +204,20 @@ N3 = {
 }
 
 
-@pytest.mark.parametrize("n, cases", [(2, N2), (3, N3)], ids=["n2", "n3"])
-def test_compiled_equals_eager_and_reference(n, cases):
-    """fullgraph=True under aot_eager: compiled == eager exactly (forward, final state, every input
-    gradient, bytes, trace events) and within fp32 rounding of the float64 recurrence."""
-    results = run_distributed(_cases, n, list(cases.values()), timeout=600)
-    for i, (name, spec) in enumerate(cases.items()):
+def _check_named(specs: dict, results: list) -> None:
+    """:func:`_check` on every case of ``specs`` (name -> spec) against the ranks' ``results``."""
+    for i, (name, spec) in enumerate(specs.items()):
         try:
             _check(spec, [r[i] for r in results])
         except AssertionError as exc:
             raise AssertionError(f"{name}: {exc}") from exc
+
+
+@pytest.mark.parametrize("n, cases", [(2, N2), (3, N3)], ids=["n2", "n3"])
+def test_compiled_equals_eager_and_reference(n, cases):
+    """fullgraph=True under aot_eager: compiled == eager exactly (forward, final state, every input
+    gradient, bytes, trace events) and within fp32 rounding of the float64 recurrence."""
+    _check_named(cases, run_distributed(_cases, n, list(cases.values()), timeout=600))
 
 
 def _bad_inputs():
@@ -295,9 +299,4 @@ def test_every_method_and_option(n, method):
              for g in ("k", "h", None) for h0 in (True, False) for final in (True, False) for cu in (None, packed)}
     specs.update({f"triton-packed{cu is not None}": _spec(method, n=n, cu=cu, t_local=5, backend="triton")
                   for cu in (None, packed)})
-    results = run_distributed(_cases, n, list(specs.values()), timeout=3000)
-    for i, (name, spec) in enumerate(specs.items()):
-        try:
-            _check(spec, [r[i] for r in results])
-        except AssertionError as exc:
-            raise AssertionError(f"{name}: {exc}") from exc
+    _check_named(specs, run_distributed(_cases, n, list(specs.values()), timeout=3000))

@@ -23,8 +23,10 @@ pytest.importorskip("transformers")
 
 from seqpar.integrations.train import ckpt as trainer_ckpt  # noqa: E402
 from seqpar.integrations.train import train  # noqa: E402
-from seqpar.integrations.train.config import load_model_config, parse_args  # noqa: E402
+from seqpar.integrations.train.config import parse_args  # noqa: E402
 from seqpar.testing import run_distributed  # noqa: E402
+
+from test_trainer import _final_state  # noqa: E402  (a checkpoint's parameters and AdamW state)
 
 TINY = {"model_type": "llama", "vocab_size": 259, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -119,15 +121,6 @@ def test_cp2_equals_one_process(injected):
         _close(a["grad_norm"], b["grad_norm"], NORM_RTOL, what + " grad_norm")  # None when skipped
 
 
-def _state(tmp, checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(load_model_config(str(tmp / "model.json")))
-    optimizer = torch.optim.AdamW(model.parameters())
-    trainer_ckpt.load_checkpoint(checkpoint, model, optimizer, trainer_ckpt.model_fingerprint(model))
-    return model.state_dict(), optimizer.state_dict()["state"]
-
-
 def test_inf_on_one_rank_skips_the_step_everywhere(injected):
     """Rank 1's gradient holds an inf after step 2's backward, rank 0's are finite: both skip (the
     checkpoints of steps 1 and 2 hold the same parameters and AdamW state, each rank's shard saved by
@@ -136,7 +129,7 @@ def test_inf_on_one_rank_skips_the_step_everywhere(injected):
     assert [r["skipped"] for r in history] == [False, True, False]
     assert [r["loss_scale"] for r in history] == [2.0**16, 2.0**16, 2.0**15]
     assert history[1]["grad_norm"] is None and history[2]["grad_norm"] > 0
-    (p1, o1), (p2, o2), (p3, _) = [_state(tmp, trainer_ckpt.step_dir(tmp / "c", s)) for s in (1, 2, 3)]
+    (p1, o1), (p2, o2), (p3, _) = [_final_state(tmp, trainer_ckpt.step_dir(tmp / "c", s)) for s in (1, 2, 3)]
     assert all(torch.equal(p1[k], p2[k]) for k in p1)
     assert all(torch.equal(o1[k][n], o2[k][n]) for k in o1 for n in o1[k])  # moments and AdamW's step
     assert not any(torch.equal(p2[k], p3[k]) for k in p2)
