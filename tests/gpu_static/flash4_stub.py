@@ -21,10 +21,7 @@ import ast
 import contextlib
 import functools
 import importlib.metadata
-import os
-import subprocess
 import sys
-import tempfile
 import types
 import zipfile
 from pathlib import Path
@@ -33,40 +30,25 @@ from unittest import mock
 import torch
 
 from .fake_cuda import fake_cuda
+from .flash_stub import cache_dir, cached_source
 
-DOWNLOAD_TIMEOUT_S = 60  # one 0.5 MB wheel
 REAL = ("_flash_attn_fwd", "_flash_attn_bwd")
 PURE = ("_resolve_causal_local_window", "_validate_head_dims")  # plain Python, run as they are
 
 
-def cache_dir(version: str) -> Path:
-    root = Path(os.environ.get("SEQPAR_CACHE_DIR", Path.home() / ".cache" / "seqpar"))
-    return root / "flash-attn-4" / version
+def _wheel_interface(tmp: Path) -> bytes:
+    (wheel,) = tmp.glob("flash_attn_4-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        return z.read("flash_attn/cute/interface.py")
 
 
 def interface_source(version: str) -> Path | str:
     """Path of the cached ``interface.py`` of ``version``, downloaded on a cache miss; on failure, a
     string saying why (the caller skips)."""
-    target = cache_dir(version) / "interface.py"
-    if target.exists():
-        return target
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", f"flash-attn-4=={version}", "--no-deps", "--only-binary",
-               ":all:", "-d", tmp, "-q", "--timeout", "10", "--retries", "1"]
-        try:
-            subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S, check=True)
-            (wheel,) = Path(tmp).glob("flash_attn_4-*.whl")
-            with zipfile.ZipFile(wheel) as z:
-                text = z.read("flash_attn/cute/interface.py")
-        except (subprocess.SubprocessError, OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-            stderr = [line for line in (getattr(exc, "stderr", None) or "").splitlines() if line.strip()]
-            detail = stderr[-1] if stderr else f"{type(exc).__name__}: {exc}"
-            return f"flash-attn-4 {version} sources not cached in {target.parent} and not downloadable: {detail}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".{os.getpid()}.part")  # atomic: a concurrent or killed run never
-    partial.write_bytes(text)  # leaves a half-written file in the cache
-    partial.replace(target)
-    return target
+    cmd = [sys.executable, "-m", "pip", "download", f"flash-attn-4=={version}", "--no-deps", "--only-binary",
+           ":all:", "-d", "{dir}", "-q", "--timeout", "10", "--retries", "1"]
+    return cached_source(cache_dir(version, "flash-attn-4") / "interface.py", f"flash-attn-4 {version}", cmd,
+                         _wheel_interface)
 
 
 def _functions(source: str) -> dict[str, ast.FunctionDef]:

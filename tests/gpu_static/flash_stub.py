@@ -24,6 +24,7 @@ import sys
 import tarfile
 import tempfile
 import types
+import zipfile
 from pathlib import Path
 from unittest import mock
 
@@ -39,39 +40,52 @@ ADMITTED = ("2.7.0.post2", "2.7.1.post4", "2.7.2.post1", "2.7.3", "2.7.4.post1",
             "2.8.2", "2.8.3", "2.8.3.post1", "2.8.3.post2")
 #: In CI: the oldest and the newest admitted release (the GPU rule changed in between).
 CI_VERSIONS = ("2.7.0.post2", "2.8.3.post2")
-DOWNLOAD_TIMEOUT_S = 60  # one sdist: 8-10 s measured (2.6-8.5 MB)
+DOWNLOAD_TIMEOUT_S = 60  # one sdist (8-10 s measured, 2.6-8.5 MB) or one 0.5 MB wheel
 
 
-def cache_dir(version: str) -> Path:
+def cache_dir(version: str, package: str = "flash-attn") -> Path:
     root = Path(os.environ.get("SEQPAR_CACHE_DIR", Path.home() / ".cache" / "seqpar"))
-    return root / "flash-attn" / version
+    return root / package / version
 
 
-def interface_source(version: str) -> Path | str:
-    """Path of the cached ``flash_attn_interface.py`` of ``version``, downloading it on a cache
-    miss; on failure, a string saying why (the caller skips)."""
-    target = cache_dir(version) / "flash_attn_interface.py"
+def cached_source(target: Path, label: str, cmd: list[str], extract, env: dict | None = None) -> Path | str:
+    """``target`` (one source file of a released package) from the cache, or on a miss: ``cmd`` (a
+    ``pip download`` into the temporary directory it is formatted with, ``{dir}``), then
+    ``extract(dir) -> bytes`` of the file, written to the cache atomically. On failure, a string
+    saying why (the caller skips)."""
     if target.exists():
         return target
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", f"flash-attn=={version}", "--no-deps",
-               "--no-binary", ":all:", "--no-build-isolation", "-d", tmp, "-q", "--timeout", "10", "--retries", "1"]
-        env = dict(os.environ, FLASH_ATTENTION_SKIP_CUDA_BUILD="TRUE")
         try:
-            subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S, check=True)
-            (sdist,) = Path(tmp).glob("flash_attn-*.tar.gz")
-            with tarfile.open(sdist) as tar:
-                member = next(m for m in tar.getmembers() if m.name.endswith("/flash_attn/flash_attn_interface.py"))
-                text = tar.extractfile(member).read()
-        except (subprocess.SubprocessError, OSError, ValueError, StopIteration, tarfile.TarError) as exc:
+            subprocess.run([c.format(dir=tmp) for c in cmd], env=env, capture_output=True, text=True,
+                           timeout=DOWNLOAD_TIMEOUT_S, check=True)
+            text = extract(Path(tmp))
+        except (subprocess.SubprocessError, OSError, ValueError, KeyError, StopIteration, tarfile.TarError,
+                zipfile.BadZipFile) as exc:
             stderr = [line for line in (getattr(exc, "stderr", None) or "").splitlines() if line.strip()]
             detail = stderr[-1] if stderr else f"{type(exc).__name__}: {exc}"
-            return f"flash-attn {version} sources not cached in {target.parent} and not downloadable: {detail}"
+            return f"{label} sources not cached in {target.parent} and not downloadable: {detail}"
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.part")  # atomic: a concurrent or killed run never
     partial.write_bytes(text)  # leaves a half-written file in the cache
     partial.replace(target)
     return target
+
+
+def _sdist_interface(tmp: Path) -> bytes:
+    (sdist,) = tmp.glob("flash_attn-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith("/flash_attn/flash_attn_interface.py"))
+        return tar.extractfile(member).read()
+
+
+def interface_source(version: str) -> Path | str:
+    """Path of the cached ``flash_attn_interface.py`` of ``version``, downloading it on a cache
+    miss; on failure, a string saying why (the caller skips)."""
+    cmd = [sys.executable, "-m", "pip", "download", f"flash-attn=={version}", "--no-deps", "--no-binary", ":all:",
+           "--no-build-isolation", "-d", "{dir}", "-q", "--timeout", "10", "--retries", "1"]
+    return cached_source(cache_dir(version) / "flash_attn_interface.py", f"flash-attn {version}", cmd,
+                         _sdist_interface, env=dict(os.environ, FLASH_ATTENTION_SKIP_CUDA_BUILD="TRUE"))
 
 
 def _round128(x: int) -> int:

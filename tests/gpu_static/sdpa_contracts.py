@@ -82,6 +82,20 @@ def flash_forward(cap, query, key, value, dropout_p=0.0, is_causal=False, return
     return _flash_common(cap, query, key, value, is_causal)
 
 
+def _flash_bwd_lse_and_dim(logsumexp, want: tuple, d: int, cap) -> list[str]:
+    """What FlashAttention-2's backward (mha_bwd / mha_varlen_bwd) requires of the logsumexp (contiguous
+    float32 of shape ``want``: it reads it through a raw pointer), and the head dims it refuses on GPUs
+    with less shared memory."""
+    bad = []
+    if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != tuple(want) or not logsumexp.is_contiguous():
+        bad.append(f"logsumexp must be contiguous float32 {list(want)} (read through a raw pointer), got "
+                   f"{logsumexp.dtype} {tuple(logsumexp.shape)} strides {logsumexp.stride()}")
+    narrow_smem = (8, 6) <= tuple(cap) <= (8, 9) or (12, 0) <= tuple(cap) <= (12, 1)
+    if narrow_smem and 192 < d <= 224:
+        bad.append(f"flash backward with head dim {d} in (192, 224] raises on {_arch(cap)}")
+    return bad
+
+
 def flash_backward(cap, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                    dropout_p, is_causal, philox_seed, philox_offset, *, scale=None) -> list[str]:
     bad = _flash_common(cap, query, key, value, is_causal)
@@ -90,15 +104,7 @@ def flash_backward(cap, grad_out, query, key, value, out, logsumexp, cum_seq_q, 
     for n, t in (("out", out), ("grad_out", grad_out)):
         if t.dtype != query.dtype:
             bad.append(f"{n} dtype {t.dtype} != query dtype {query.dtype} (mha_bwd TORCH_CHECK)")
-    b, h, m = query.shape[:3]
-    if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (b, h, m) or not logsumexp.is_contiguous():
-        bad.append(f"logsumexp must be contiguous float32 [{b}, {h}, {m}] (read through a raw pointer), got "
-                   f"{logsumexp.dtype} {tuple(logsumexp.shape)} strides {logsumexp.stride()}")
-    d = query.shape[-1]
-    narrow_smem = (8, 6) <= tuple(cap) <= (8, 9) or (12, 0) <= tuple(cap) <= (12, 1)
-    if narrow_smem and 192 < d <= 224:
-        bad.append(f"flash backward with head dim {d} in (192, 224] raises on {_arch(cap)}")
-    return bad
+    return bad + _flash_bwd_lse_and_dim(logsumexp, tuple(query.shape[:3]), query.shape[-1], cap)
 
 
 def _efficient_common(cap, q, k, v, attn_bias) -> list[str]:
@@ -198,14 +204,8 @@ def flash_raw_backward(cap, grad_out, query, key, value, out, logsumexp, cum_seq
             bad.append(f"{n} must be {query.dtype} {tuple(query.shape)} (mha_bwd), got {t.dtype} {tuple(t.shape)}")
     hq = query.shape[-2]
     want = (hq, query.shape[0]) if cum_seq_q is not None else (query.shape[0], hq, query.shape[1])
-    if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != want or not logsumexp.is_contiguous():
-        bad.append(f"logsumexp must be contiguous float32 {list(want)} (read through a raw pointer), got "
-                   f"{logsumexp.dtype} {tuple(logsumexp.shape)} strides {logsumexp.stride()}")
-    d = query.shape[-1]
-    narrow_smem = (8, 6) <= tuple(cap) <= (8, 9) or (12, 0) <= tuple(cap) <= (12, 1)
-    if narrow_smem and 192 < d <= 224:
-        bad.append(f"flash backward with head dim {d} in (192, 224] raises on {_arch(cap)}")
-    return bad + _cu_seqlens(query, key, cum_seq_q, cum_seq_k, max_q, max_k)
+    return bad + _flash_bwd_lse_and_dim(logsumexp, want, query.shape[-1], cap) + \
+        _cu_seqlens(query, key, cum_seq_q, cum_seq_k, max_q, max_k)
 
 
 def _cu_seqlens(q, k, cu_q, cu_k, max_q, max_k) -> list[str]:
