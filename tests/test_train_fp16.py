@@ -57,6 +57,16 @@ def _close(a: float | None, b: float | None, rtol: float, what: str) -> None:
         assert abs(a - b) <= rtol * abs(b), f"{what}: {a!r} vs {b!r}"
 
 
+def _same_steps(got: list[dict], want: list[dict]) -> None:
+    """Step records equal: the same loss scale and skip, loss and grad norm (None when skipped)
+    within the fp16 bounds."""
+    for a, b in zip(got, want, strict=True):
+        what = f"step {b['step']}"
+        assert (a["loss_scale"], a["skipped"]) == (b["loss_scale"], b["skipped"]), what
+        _close(a["loss"], b["loss"], LOSS_RTOL, what + " loss")
+        _close(a["grad_norm"], b["grad_norm"], NORM_RTOL, what + " grad_norm")
+
+
 def _train_on_ranks(argv: list[str], inf_at_step: int | None = None, warned: list | None = None):
     """Rank 0's step records of ``seqpar train argv`` run on this pool's ranks (the persistent test
     pool, instead of ``--nproc``'s new processes) or in this process. ``inf_at_step``: after that
@@ -114,11 +124,7 @@ def test_no_warning_from_the_sharded_scaler(injected):
 
 def test_cp2_equals_one_process(injected):
     _, one, cp2, _ = injected
-    for a, b in zip(cp2, one, strict=True):
-        what = f"step {b['step']}"
-        assert (a["loss_scale"], a["skipped"]) == (b["loss_scale"], b["skipped"]), what
-        _close(a["loss"], b["loss"], LOSS_RTOL, what + " loss")
-        _close(a["grad_norm"], b["grad_norm"], NORM_RTOL, what + " grad_norm")  # None when skipped
+    _same_steps(cp2, one)
 
 
 def test_inf_on_one_rank_skips_the_step_everywhere(injected):
@@ -143,11 +149,7 @@ def test_replicas_skip_together(injected):
     hsdp = run_distributed(_train_on_ranks, 2, _args(tmp, "--dtype", "float16", "--replicas", 2, steps=3), 2,
                            timeout=300)[0]
     assert [r["skipped"] for r in hsdp] == [False, True, False]
-    for a, b in zip(hsdp, one, strict=True):
-        what = f"step {b['step']}"
-        assert (a["loss_scale"], a["skipped"]) == (b["loss_scale"], b["skipped"]), what
-        _close(a["loss"], b["loss"], LOSS_RTOL, what + " loss")
-        _close(a["grad_norm"], b["grad_norm"], NORM_RTOL, what + " grad_norm")
+    _same_steps(hsdp, one)
 
 
 @pytest.mark.slow
@@ -159,11 +161,7 @@ def test_four_ranks_skip_together_and_equal_one_process(tmp_path, layout):
     four = run_distributed(_train_on_ranks, 4, _args(tmp_path, "--dtype", "float16", "--batch-size", 4, *layout,
                                                      steps=3), 2, timeout=600)[0]
     assert [r["skipped"] for r in four] == [False, True, False]
-    for a, b in zip(four, one, strict=True):
-        what = f"step {b['step']}"
-        assert (a["loss_scale"], a["skipped"]) == (b["loss_scale"], b["skipped"]), what
-        _close(a["loss"], b["loss"], LOSS_RTOL, what + " loss")
-        _close(a["grad_norm"], b["grad_norm"], NORM_RTOL, what + " grad_norm")
+    _same_steps(four, one)
 
 
 # ----------------------------------------------------------------------------- the overflow edge
@@ -243,11 +241,7 @@ def test_adaptive_scales_like_the_fixed_mesh(edge):
     checkpoint that changed the optimizer's state would show here too.)"""
     tmp, cp2 = edge
     adaptive = run_distributed(_train_on_ranks, 2, _args(tmp, *EDGE, "--adaptive"), timeout=300)[0]
-    for a, b in zip(adaptive, cp2.history, strict=True):
-        what = f"step {b['step']}"
-        assert (a["loss_scale"], a["skipped"]) == (b["loss_scale"], b["skipped"]), what
-        _close(a["loss"], b["loss"], LOSS_RTOL, what + " loss")
-        _close(a["grad_norm"], b["grad_norm"], NORM_RTOL, what + " grad_norm")
+    _same_steps(adaptive, cp2.history)
 
 
 def test_fp32_checkpoint_resumes_in_fp16_and_back(edge, tmp_path):
