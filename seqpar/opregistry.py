@@ -51,9 +51,30 @@ def hashable(value):
         return Identity(value)
 
 
+def made_while_tracing(value) -> bool:
+    """Whether Dynamo handed a constant function a stand-in for a seqpar object that the traced code
+    itself creates (``stats = CommStats()`` inside the compiled function): such a stand-in is an
+    instance whose attributes were never set, and the object the compiled code later returns is
+    another one, so nothing counted into the stand-in could ever reach the caller."""
+    if isinstance(value, tuple):
+        return any(made_while_tracing(x) for x in value)
+    attrs = getattr(value, "__dict__", None)
+    return attrs is not None and not attrs and type(value).__module__.split(".")[0] == "seqpar"
+
+
 def option_items(options: dict) -> tuple[tuple[str, Any], ...]:
-    """A call's options as sorted ``(name, value)`` pairs, each value the caller's own object."""
-    return tuple(sorted((name, real(value)) for name, value in options.items()))
+    """A call's options as sorted ``(name, value)`` pairs, each value the caller's own object.
+
+    Raises ``ValueError`` for an option object created inside the compiled function (see
+    :func:`made_while_tracing`): the op would record into an object made while tracing, not the one
+    the function returns."""
+    items = tuple(sorted((name, real(value)) for name, value in options.items()))
+    for name, value in items:
+        if made_while_tracing(value):
+            raise ValueError(f"{name}: this {type(value).__name__} is created inside the function torch.compile "
+                             f"traces, so the compiled code cannot record into it; create it before the compiled "
+                             f"function and pass it in (e.g. as an argument)")
+    return items
 
 
 def option_key(items: tuple[tuple[str, Any], ...]) -> tuple:
@@ -125,5 +146,5 @@ def op_outputs(tensors, inputs) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["CallRegistry", "FunctionCtx", "Identity", "fresh", "hashable", "op_outputs", "option_items",
-           "option_key", "real", "standard"]
+__all__ = ["CallRegistry", "FunctionCtx", "Identity", "fresh", "hashable", "made_while_tracing", "op_outputs",
+           "option_items", "option_key", "real", "standard"]
