@@ -276,3 +276,43 @@ def test_compile_context_parallel_matches_eager(runs, tmp_path):
     _, cp1, _ = runs
     res = train(_args(tmp_path, "--compile", "--nproc", 2, "--context-parallel", 2))
     _close(res.losses, cp1.losses, range(1, 6))
+
+
+def test_non_finite_loss_and_norm_are_null_in_the_json_log(tmp_path, monkeypatch):
+    """A NaN loss (steps 2 and 3) and an inf gradient (step 2) injected into an fp32 run are written as null, which
+    strict JSON parsers accept (NaN and Infinity are not JSON); the record keeps its other fields, the
+    end record and the plot are still written; the start record's config says "inf" for --timeout inf.
+    Any other non-finite value is refused, not written."""
+    import math
+
+    from seqpar.integrations.train import step as train_step
+    from seqpar.integrations.train.log import strict_record
+
+    real, calls = train_step.forward_backward, []
+
+    def forward_backward(model, *args, **kwargs):
+        out = real(model, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            with torch.no_grad():
+                next(model.parameters()).grad.view(-1)[0] = float("inf")
+        return out * float("nan") if len(calls) >= 2 else out
+
+    monkeypatch.setattr(train_step, "forward_backward", forward_backward)
+    log, plot = tmp_path / "log.jsonl", tmp_path / "loss.png"
+    res = train(_args(tmp_path, "--json", log, "--plot", plot, "--timeout", "inf", steps=3))
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    lines = [json.loads(line, parse_constant=refuse) for line in log.read_text().splitlines()]
+    steps = [r for r in lines if "step" in r]
+    assert math.isnan(res.history[1]["loss"]) and res.history[1]["grad_norm"] == math.inf  # in memory: as computed
+    assert steps[1]["loss"] is None and steps[1]["grad_norm"] is None and set(steps[1]) == set(steps[0])
+    assert {k: v for k, v in steps[1].items() if k not in ("loss", "grad_norm")} == \
+        {k: v for k, v in res.history[1].items() if k not in ("loss", "grad_norm")}
+    assert steps[0]["loss"] == res.history[0]["loss"] and lines[0]["config"]["timeout"] == "inf"
+    assert lines[-1]["event"] == "end" and lines[-1]["final_loss"] is None and lines[-1]["tokens_per_s"] > 0
+    assert plot.stat().st_size > 0
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        json.dumps(strict_record({"step": 1, "tokens_per_s": math.inf}), allow_nan=False)

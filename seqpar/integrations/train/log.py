@@ -5,9 +5,28 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 
 from .config import TrainConfig
+
+# fields that may hold a non-finite number (a diverged loss, an overflowing gradient norm): written as
+# null, which every strict JSON parser reads (NaN and Infinity are not JSON); any other non-finite
+# value is a bug and json.dumps(allow_nan=False) raises on it
+NULLABLE = ("loss", "grad_norm", "eval_loss", "eval_ppl", "final_loss", "final_eval_loss")
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def strict_record(record: dict) -> dict:
+    """``record`` with the non-finite floats of :data:`NULLABLE` fields replaced by None (null), and
+    those of the start record's ``config`` (``--timeout inf``) by their text ("inf")."""
+    out = {k: None if k in NULLABLE and not _finite(v) else v for k, v in record.items()}
+    if isinstance(out.get("config"), dict):
+        out["config"] = {k: v if _finite(v) else str(v) for k, v in out["config"].items()}
+    return out
 
 
 class TrainLog:
@@ -36,7 +55,7 @@ class TrainLog:
 
     def event(self, record: dict) -> None:
         if self.json is not None:
-            self.json.write(json.dumps(record) + "\n")
+            self.json.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
             self.json.flush()
 
     def step(self, rec: dict) -> None:
@@ -101,4 +120,4 @@ def plot_losses(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["TrainLog", "plot_losses", "summary"]
+__all__ = ["NULLABLE", "TrainLog", "plot_losses", "strict_record", "summary"]
