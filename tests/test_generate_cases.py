@@ -97,3 +97,26 @@ def test_cli_generate_refuses_bad_flags(argv, fragment, tmp_path, capsys):
         main(["generate", *(a.format(**names) for a in argv)])
     assert exc.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_cli_generate_loads_quietly_off_rank_zero():
+    """`seqpar generate` shows transformers' "Loading weights" bar on rank 0 only (not one per rank),
+    none with --no-progress, and leaves the caller's setting as it was (``--nproc 1`` runs in the
+    caller's process)."""
+    from transformers.utils import logging as hf_logging
+
+    from seqpar.integrations.generate.run import _quiet_loading
+
+    assert hf_logging.is_progress_bar_enabled()
+    with _quiet_loading(True):
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()
+    with _quiet_loading(False):
+        assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with _quiet_loading(True):
+            pass
+        assert not hf_logging.is_progress_bar_enabled()  # a caller's "off" stays off
+    finally:
+        hf_logging.enable_progress_bar()

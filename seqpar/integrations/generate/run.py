@@ -154,6 +154,21 @@ class _Progress:
             self.bar.stop()
 
 
+@contextlib.contextmanager
+def _quiet_loading(quiet: bool):
+    """transformers' progress bars off while loading (``quiet``), restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet and was:
+            hf_logging.enable_progress_bar()
+
+
 def _rank_main(cfg: GenerateConfig) -> GenerateResult | None:
     from transformers import AutoModelForCausalLM
 
@@ -166,7 +181,8 @@ def _rank_main(cfg: GenerateConfig) -> GenerateResult | None:
     info = group_info(group)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and dist.is_initialized() \
         and dist.get_backend() != "gloo" else torch.device("cpu")
-    model = AutoModelForCausalLM.from_pretrained(folder.path, dtype=DTYPES[cfg.dtype]).to(device).eval()
+    with _quiet_loading(not cfg.progress or info.rank != 0):  # one "Loading weights" bar, not one per rank
+        model = AutoModelForCausalLM.from_pretrained(folder.path, dtype=DTYPES[cfg.dtype]).to(device).eval()
     apply_context_parallel(model, group=group, method=cfg.method)
     tok = folder.tokenizer
     ids = tok(Path(cfg.prompt_file).read_text(), return_tensors="pt").input_ids.to(device)
