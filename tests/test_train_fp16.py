@@ -67,10 +67,11 @@ def _same_steps(got: list[dict], want: list[dict]) -> None:
         _close(a["grad_norm"], b["grad_norm"], NORM_RTOL, what + " grad_norm")
 
 
-def _train_on_ranks(argv: list[str], inf_at_step: int | None = None, warned: list | None = None):
+def _train_on_ranks(argv: list[str], inf_at_step=None, warned: list | None = None):
     """Rank 0's step records of ``seqpar train argv`` run on this pool's ranks (the persistent test
-    pool, instead of ``--nproc``'s new processes) or in this process. ``inf_at_step``: after that
-    step's backward the last rank alone puts an inf into its part of the first parameter's gradient.
+    pool, instead of ``--nproc``'s new processes) or in this process. ``inf_at_step`` (a step or a
+    collection of steps): after that step's backward the last rank alone puts an inf into its part of
+    the first parameter's gradient.
     ``warned``: a list, returned with the records, that gets every warning this rank saw."""
     import warnings
 
@@ -82,11 +83,12 @@ def _train_on_ranks(argv: list[str], inf_at_step: int | None = None, warned: lis
 
     real, calls = train_step.forward_backward, []
     last = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+    inf_steps = {inf_at_step} if isinstance(inf_at_step, int) else set(inf_at_step or ())
 
     def forward_backward(model, *args, **kwargs):
         out = real(model, *args, **kwargs)
         calls.append(1)  # one call per step (the fixed mesh)
-        if len(calls) == inf_at_step and last:
+        if len(calls) in inf_steps and last:
             grad = next(model.parameters()).grad
             with torch.no_grad():
                 (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
@@ -318,6 +320,51 @@ def test_scaling_rescues_gradients_below_fp16_range(tmp_path):
             torch.linalg.vector_norm(f - r) / torch.linalg.vector_norm(r)))
 
 
+# ----------------------------------------------------------------------------- the scale's floor
+
+
+def test_overflow_at_every_step_stops_at_the_scale_floor(tmp_path):
+    """An inf in a gradient at every step (rank 1 only, cp 2): the scale halves 3 -> 1.5 -> 0.75 -> 0.375;
+    below --loss-scale-min 0.75 every rank raises after step 3's record is written (torch's scaler
+    would halve on to 0 and train no more, silently)."""
+    from seqpar.integrations.train.step import LossScaleError
+
+    log = tmp_path / "log.jsonl"
+    argv = _args(tmp_path, "--dtype", "float16", "--context-parallel", 2, "--loss-scale-init", 3,
+                 "--loss-scale-min", 0.75, "--json", log, "--save", tmp_path / "c", "--save-every", 1, steps=5)
+    with pytest.raises(LossScaleError, match=r"fell to 0.375 after step 3, below --loss-scale-min 0.75.*3 step\(s\) "
+                                             r"in a row skipped.*lower --lr.*bfloat16") as info:
+        run_distributed(_train_on_ranks, 2, argv, range(1, 6), timeout=300)
+    assert "raised on ranks [0, 1]" in str(info.value)
+    steps = [r for r in map(json.loads, log.read_text().splitlines()) if "step" in r]
+    assert [(r["step"], r["loss_scale"], r["skipped"]) for r in steps] == [(1, 3.0, True), (2, 1.5, True), (3, 0.75, True)]
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step_00000001", "step_00000002"]  # not step 3
+
+
+def test_default_floor_is_one_and_main_says_what_to_try(tmp_path, monkeypatch, capsys):
+    """One process, --loss-scale-init 2: the scale reaches 0.5 after step 2's overflow, below the default
+    floor of 1; ``seqpar train`` prints one line and exits 1. Started at 0.5, the floor is 0.5."""
+    from seqpar.integrations.train import main
+    from seqpar.integrations.train import step as train_step
+
+    real = train_step.forward_backward
+
+    def overflowing(model, *args, **kwargs):
+        out = real(model, *args, **kwargs)
+        with torch.no_grad():
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(train_step, "forward_backward", overflowing)
+    assert main(_args(tmp_path, "--dtype", "float16", "--loss-scale-init", 2, steps=4)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("seqpar train: error: --dtype float16: the loss scale fell to 0.5 after step 2, below "
+                              "--loss-scale-min 1:"), err
+    # --loss-scale-init below 1 without --loss-scale-min: the floor is the initial scale, not 1
+    assert main(_args(tmp_path, "--dtype", "float16", "--loss-scale-init", 0.5, steps=4)) == 1
+    assert "fell to 0.25 after step 1, below --loss-scale-min 0.5:" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- flags
 
 
@@ -332,6 +379,11 @@ def test_scaling_rescues_gradients_below_fp16_range(tmp_path):
     # no step reported skipped (1e-50)
     (("--dtype", "float16", "--loss-scale-init", 1e40), "--loss-scale-init: the scale is held in float32"),
     (("--dtype", "float16", "--loss-scale-init", 1e-50), "--loss-scale-init: the scale is held in float32"),
+    (("--loss-scale-min", 0.5), "--loss-scale-min: only --dtype float16 scales the loss"),
+    (("--dtype", "float16", "--loss-scale-min", 0), r"--loss-scale-min: expected a scale in \[1.18e-38, "),
+    (("--dtype", "float16", "--loss-scale-min", "nan"), "--loss-scale-min: expected a scale"),
+    (("--dtype", "float16", "--loss-scale-min", 1e5), "--loss-scale-min: .*--loss-scale-init 65536.*got 100000"),
+    (("--dtype", "float16", "--loss-scale-init", 8, "--loss-scale-min", 16), "--loss-scale-min: .*--loss-scale-init 8"),
 ])
 def test_bad_loss_scale_flags(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):

@@ -64,6 +64,7 @@ class TrainConfig:
     replicas: int = 1  # HSDP: FSDP2 shards within groups of W / replicas ranks, replicated across them
     loss_scale_init: float | None = None  # --dtype float16: the first loss scale (None = torch's 2**16)
     loss_scale_growth_interval: int | None = None  # clean steps before the scale doubles (None = 2000)
+    loss_scale_min: float | None = None  # the run stops when the scale falls below it (None = 1.0)
 
     @property
     def data_dir(self) -> str:
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
       "checkpoint's scale)")
     a("--loss-scale-growth-interval", type=int, metavar="N", help="with --dtype float16: clean steps before the "
       "loss scale doubles (default 2000)")
+    a("--loss-scale-min", type=float, metavar="S", help="with --dtype float16: stop with an error when the loss "
+      "scale falls below S (default 1, or --loss-scale-init when lower; the loss or gradients then overflow at nearly every step, and a scale "
+      "halved on to 0 would silently stop all updates)")
     a("--steps", type=int, default=50)
     a("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, linear warmup, cosine to 10%%)")
     a("--warmup", type=int, help="warmup steps (default: min(10, steps / 10))")
@@ -153,7 +157,7 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         json=ns.json, log_every=ns.log_every, progress=not ns.no_progress, timeout=ns.timeout,
         crash_at_step=ns.crash_at_step, model=ns.model, trust_pickle=ns.trust_pickle, export_hf=ns.export_hf,
         compile=ns.compile, loss_chunk=ns.loss_chunk, replicas=ns.replicas, loss_scale_init=ns.loss_scale_init,
-        loss_scale_growth_interval=ns.loss_scale_growth_interval)
+        loss_scale_growth_interval=ns.loss_scale_growth_interval, loss_scale_min=ns.loss_scale_min)
 
 
 # ----------------------------------------------------------------------------- model config
@@ -292,7 +296,8 @@ def _validate_loss_scale(cfg: TrainConfig) -> None:
     import math
 
     for flag, value in (("--loss-scale-init", cfg.loss_scale_init),
-                        ("--loss-scale-growth-interval", cfg.loss_scale_growth_interval)):
+                        ("--loss-scale-growth-interval", cfg.loss_scale_growth_interval),
+                        ("--loss-scale-min", cfg.loss_scale_min)):
         if value is not None and cfg.dtype != "float16":
             raise ValueError(f"{flag}: only --dtype float16 scales the loss (this run is {cfg.dtype}); drop {flag} "
                              "or add --dtype float16")
@@ -305,6 +310,10 @@ def _validate_loss_scale(cfg: TrainConfig) -> None:
     if cfg.loss_scale_init is not None and not low <= cfg.loss_scale_init <= high:
         raise ValueError(f"--loss-scale-init: the scale is held in float32, so it must lie in [{low:.3g}, {high:.3g}] "
                          f"(e.g. 65536); got {cfg.loss_scale_init}")
+    init = 2.0**16 if cfg.loss_scale_init is None else cfg.loss_scale_init
+    if cfg.loss_scale_min is not None and not low <= cfg.loss_scale_min <= init:
+        raise ValueError(f"--loss-scale-min: expected a scale in [{low:.3g}, --loss-scale-init {init:g}] (default 1), "
+                         f"got {cfg.loss_scale_min}; lower it or raise --loss-scale-init")
     # the scaler counts clean steps in an int32 tensor
     if cfg.loss_scale_growth_interval is not None and not 1 <= cfg.loss_scale_growth_interval < 2**31:
         raise ValueError(f"--loss-scale-growth-interval: expected a positive number of steps below 2**31, got "

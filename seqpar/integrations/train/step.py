@@ -76,6 +76,30 @@ def clip_gradients(params, max_norm: float) -> float:
     return float(norm)
 
 
+class LossScaleError(RuntimeError):
+    """``--dtype float16``: the loss scale fell below ``--loss-scale-min`` (raised on every rank)."""
+
+
+def check_loss_scale(cfg: TrainConfig, scaler, step: int, history: list[dict]) -> None:
+    """Raise :class:`LossScaleError` when the scale after ``step``'s update is below ``--loss-scale-min``
+    (default 1, or --loss-scale-init when lower). The scale is the same on every rank (the inf/NaN finding is all-reduced), so every
+    rank raises at the same step; ``history``: the step records so far (this step's last)."""
+    init = 2.0**16 if cfg.loss_scale_init is None else cfg.loss_scale_init
+    floor = min(1.0, init) if cfg.loss_scale_min is None else cfg.loss_scale_min  # a default below the start
+    if scaler is None or scaler.get_scale() >= floor:
+        return
+    run = 0
+    for rec in reversed(history):
+        if not rec.get("skipped"):
+            break
+        run += 1
+    raise LossScaleError(
+        f"--dtype float16: the loss scale fell to {scaler.get_scale():g} after step {step}, below --loss-scale-min "
+        f"{floor:g}: the loss or the gradients overflow float16 at every step ({run} step(s) in a row skipped, no "
+        "update made). Try a lower --lr (or more --warmup), check the data for bad documents, or train with "
+        "--dtype bfloat16, whose range needs no loss scaling")
+
+
 def make_scaler(cfg: TrainConfig, rt):
     """The dynamic loss scaler of ``--dtype float16`` (None for bfloat16 / float32, whose exponent
     range needs none): ``torch.amp.GradScaler`` in one process, FSDP2's ``ShardedGradScaler`` over the
@@ -189,5 +213,5 @@ def static_step(cfg: TrainConfig, rt, data, model, batch: int, step: int, autoca
     return total / count, squares
 
 
-__all__ = ["backward", "clip_gradients", "forward_backward", "lr_at", "make_scaler", "maybe_crash",
+__all__ = ["LossScaleError", "backward", "check_loss_scale", "clip_gradients", "forward_backward", "lr_at", "make_scaler", "maybe_crash",
            "optimizer_step", "peak_memory_mib", "static_step", "sum_over_ranks", "sync", "token_loss"]

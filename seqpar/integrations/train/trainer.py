@@ -37,7 +37,8 @@ from .ckpt import has_scaler, load_checkpoint, model_fingerprint, resolve_resume
 from .config import TrainConfig, global_batch, model_folder, open_data, parse_args, validate, world_size_of
 from .flops import attention_shape, peak_flops, step_flops
 from .log import TrainLog, plot_losses, summary
-from .step import lr_at, make_scaler, maybe_crash, optimizer_step, peak_memory_mib, static_step, sync
+from .step import (LossScaleError, check_loss_scale, lr_at, make_scaler, maybe_crash, optimizer_step,
+                   peak_memory_mib, static_step, sync)
 
 
 @dataclass
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad input: one clear line, no traceback
         print(f"seqpar train: error: {exc}", file=sys.stderr)
         return 2
+    except LossScaleError as exc:  # fp16 overflowing at every step: what to try, no traceback
+        print(f"seqpar train: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -292,6 +296,7 @@ def _rank_main(cfg: TrainConfig) -> TrainResult | None:
             rec = _train_step(run, step, autocast)
             run.result.history.append(rec)
             run.log.step(rec)
+            check_loss_scale(cfg, run.scaler, step, run.result.history)  # after the step's record is written
             _maybe_save(run, step)
         _finish(run)
     finally:
