@@ -83,6 +83,9 @@ def test_short_prompts_forward_and_stopping_match_single_process(folder):
     (["--model", "{folder}", "--prompt-file", "{prompt}", "--nproc", "0"], "--nproc 0: pass 1 or more"),
     (["--model", "{folder}", "--prompt-file", "{prompt}", "--max-new-tokens", "0"], "--max-new-tokens 0"),
     (["--model", "{folder}", "--prompt-file", "{prompt}", "--prefill", "ring"], "invalid choice: 'ring'"),
+    (["--model", "{folder}", "--prompt-file", "{prompt}", "--prompt", "hi"], "not allowed with argument"),
+    (["--model", "{folder}"], "one of the arguments --prompt-file --prompt is required"),
+    (["--model", "{folder}", "--prompt", "hi", "--system", "be brief"], "--system: a system message needs --chat"),
 ])
 def test_cli_generate_refuses_bad_flags(argv, fragment, tmp_path, capsys):
     """Each bad flag stops ``seqpar generate`` before any rank starts, naming the flag."""
@@ -120,3 +123,42 @@ def test_cli_generate_loads_quietly_off_rank_zero():
         assert not hf_logging.is_progress_bar_enabled()  # a caller's "off" stays off
     finally:
         hf_logging.enable_progress_bar()
+
+
+_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+             "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_cli_generate_chat_matches_single_process(folder, tmp_path, capsys):
+    """``--chat --system --prompt`` at N = 2 generates what single-process greedy ``generate()`` gives
+    on the chat template's ids (which differ from the plain text's); ``--chat`` with a tokenizer that
+    has no template stops with one line naming the flag (exit 2)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from seqpar.cli import main
+
+    chat = tmp_path / "chat"
+    shutil.copytree(folder, chat)
+    config = json.loads((chat / "tokenizer_config.json").read_text())
+    (chat / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": _TEMPLATE}))
+    report = tmp_path / "report.json"
+    text = "the river walked into the quiet station"
+    assert main(["generate", "--model", str(chat), "--prompt", text, "--chat", "--system", "be brief",
+                 "--nproc", "2", "--max-new-tokens", "4", "--json", str(report), "--no-progress"]) == 0
+    got = json.loads(report.read_text())
+    tok = AutoTokenizer.from_pretrained(chat)
+    ids = torch.as_tensor(tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}],
+        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]).reshape(1, -1)
+    assert tok.decode(ids[0]).endswith("<user>" + text + "<eos><assistant>")
+    assert ids.shape[1] > tok(text, return_tensors="pt").input_ids.shape[1]
+    ref = _load(str(chat)).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                                   pad_token_id=tok.pad_token_id)
+    assert got["prompt_tokens"] == ids.shape[1] and got["new_tokens"] == ref[0, ids.shape[1]:].tolist()
+    capsys.readouterr()
+    assert main(["generate", "--model", folder, "--prompt", text, "--chat", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("seqpar generate: error: --chat: the tokenizer in") and len(err.splitlines()) == 1

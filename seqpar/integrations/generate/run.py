@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from ...methods import METHODS
 from ..hf import ShardedCache, apply_context_parallel
 from ..hf.cache import COMBINE_MODES, PREFILL_MODES
 
-__all__ = ["GenerateConfig", "GenerateResult", "generate_main", "parse_args", "run"]
+__all__ = ["GenerateConfig", "GenerateResult", "generate_main", "parse_args", "prompt_ids", "run"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,7 +33,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclasses.dataclass(frozen=True)
 class GenerateConfig:
     model: str
-    prompt_file: str
+    prompt_file: str | None = None
+    prompt: str | None = None
+    chat: bool = False
+    system: str | None = None
     nproc: int = 1
     method: str = "zigzag_ring"
     max_new_tokens: int = 64
@@ -72,7 +76,12 @@ def parse_args(argv: list[str]) -> GenerateConfig:
         "Generate from a long prompt with context-parallel prefill and decoding over a sharded KV cache "
         "(seqpar.integrations.hf.ShardedCache inside transformers' generate())."))
     p.add_argument("--model", required=True, help="local transformers folder (config.json, safetensors, tokenizer)")
-    p.add_argument("--prompt-file", required=True, help="text file holding the prompt")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt-file", help="text file holding the prompt")
+    given.add_argument("--prompt", help="the prompt itself (short prompts; long ones: --prompt-file)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the tokenizer's "
+                   "chat template, with the assistant's turn opened (instruction-tuned models)")
+    p.add_argument("--system", help="with --chat: a system message before the user's")
     p.add_argument("--nproc", type=int, default=1, help="local CPU ranks (gloo); ignored under torchrun")
     p.add_argument("--method", default="zigzag_ring", choices=list(METHODS),
                    help="context-parallel attention method of the prefill")
@@ -96,14 +105,20 @@ def parse_args(argv: list[str]) -> GenerateConfig:
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model {a.model}: no config.json there; pass a local transformers model folder "
                 "(config.json, weights, tokenizer files)")
-    if not Path(a.prompt_file).is_file():
+    if a.prompt_file is not None and not Path(a.prompt_file).is_file():
         p.error(f"--prompt-file {a.prompt_file}: no such file; pass a text file holding the prompt")
+    if a.system is not None and not a.chat:
+        p.error("--system: a system message needs --chat (the chat template places it)")
     return GenerateConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(GenerateConfig)})
 
 
 def generate_main(argv: list[str] | None = None) -> int:
     cfg = parse_args(list(argv or []))
-    result = run(cfg)
+    try:
+        result = run(cfg)
+    except ValueError as exc:  # bad input found by the ranks (e.g. --chat without a template): one line
+        print(f"seqpar generate: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
     if result is not None:
         _print(result)
         if cfg.json:
@@ -154,6 +169,23 @@ class _Progress:
             self.bar.stop()
 
 
+def prompt_ids(cfg: GenerateConfig, tok) -> torch.Tensor:
+    """The prompt's token ids ``[1, T]``: the text of ``--prompt`` / ``--prompt-file``, tokenized as it
+    is or, with ``--chat``, as a user message (after ``--system``'s) in the tokenizer's chat template
+    with the assistant's turn opened."""
+    text = cfg.prompt if cfg.prompt is not None else Path(cfg.prompt_file).read_text()
+    if not cfg.chat:
+        return tok(text, return_tensors="pt").input_ids
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"--chat: the tokenizer in {cfg.model} has no chat template (tokenizer_config.json's "
+                         "'chat_template' or chat_template.jinja); drop --chat to use the text as it is")
+    messages = ([{"role": "system", "content": cfg.system}] if cfg.system is not None else []) + [
+        {"role": "user", "content": text}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                  return_tensors="pt")["input_ids"]
+    return torch.as_tensor(ids).reshape(1, -1)
+
+
 @contextlib.contextmanager
 def _quiet_loading(quiet: bool):
     """transformers' progress bars off while loading (``quiet``), restored after."""
@@ -185,7 +217,7 @@ def _rank_main(cfg: GenerateConfig) -> GenerateResult | None:
         model = AutoModelForCausalLM.from_pretrained(folder.path, dtype=DTYPES[cfg.dtype]).to(device).eval()
     apply_context_parallel(model, group=group, method=cfg.method)
     tok = folder.tokenizer
-    ids = tok(Path(cfg.prompt_file).read_text(), return_tensors="pt").input_ids.to(device)
+    ids = prompt_ids(cfg, tok).to(device)
     cache = ShardedCache(group=group, prefill=cfg.prefill, decode_combine=cfg.decode_combine, stats=CommStats())
     kw = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.sample, pad_token_id=tok.pad_token_id)
     if cfg.sample:
