@@ -39,6 +39,14 @@ pytest.importorskip("accelerate")
 
 UPDATE_RTOL = 1e-4
 LOSS_ATOL = 1e-4
+# bf16 (8 significant bits, unit roundoff 2**-8 = 3.9e-3): both runs round activations and gradients to
+# bf16, at different points (blockwise attention merges, the ranks' partial sums, FSDP2's bf16 weights
+# against autocast's casts), so each gradient element differs by a few roundoffs: measured 6e-3 (DDP)
+# and 9e-3 (FSDP2) relative on the updates; 3e-2 is ~8 roundoffs, and a wrong factor (a mean for a sum)
+# is 0.5. The loss is a mean of fp32 cross-entropies of bf16 logits, where these errors average out
+# (measured 7e-6 and 9e-5); 1e-2 is a third of bf16's spacing at the loss's ~5.8 (2**-5).
+UPDATE_RTOL_BF16 = 3e-2
+LOSS_ATOL_BF16 = 1e-2
 STEPS = 2
 N_DOCS = 48
 LR = 0.5
@@ -60,6 +68,16 @@ CONFIGS = {
     "cp2_dp2_iterable": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, iterable=True)),
     "cp4_usp": (4, dict(cp=4, method="usp", options={"ulysses_degree": 2}, batch=4, ga=1)),
     "cp2_dp2_fsdp2": (4, dict(cp=2, method="allgather_kv", batch=2, ga=2, fsdp=True)),
+    # gradient_checkpointing: the Trainer's own per-layer checkpointing around seqpar's attention
+    "cp2_gc": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, gc={"use_reentrant": False})),
+    "cp2_gc_reentrant": (2, dict(cp=2, method="ulysses", batch=3, ga=1, gc={"use_reentrant": True}, slow=True)),
+    "cp2_dp2_fsdp2_gc": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, fsdp=True, gc={"use_reentrant": False})),
+    # bf16: autocast (DDP), FSDP2's bf16 parameters (FSDP2) against the plain Trainer's autocast
+    "cp2_bf16": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, bf16=True)),
+    "cp2_dp2_fsdp2_bf16": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=1, fsdp=True, bf16=True)),
+    # checkpoints: 4 steps straight (dying while saving the last) against 2 + resumed 2
+    "cp2_resume": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, resume=True)),
+    "cp2_dp2_fsdp2_resume": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, fsdp=True, resume=True)),
 }
 # name -> (world, trainer options, text every rank's error must contain)
 BAD = {
@@ -147,12 +165,19 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
         extra.update(accelerator_config={"dispatch_batches": False})
     if opts.get("compile") and cp_trainer:
         extra.update(torch_compile=True, torch_compile_backend=opts["compile"])
-    args = TrainingArguments(
+    if opts.get("gc"):  # the names users set (deprecated aliases of activation_checkpointing*)
+        extra.update(gradient_checkpointing=True, gradient_checkpointing_kwargs=opts["gc"])
+    if opts.get("bf16"):
+        extra.update(bf16=True)
+    if opts.get("resume"):  # AdamW and a decaying schedule: moments, step counts and the lr must be restored
+        extra.update(max_steps=2 * STEPS, save_strategy="steps", save_steps=STEPS, optim="adamw_torch",
+                     learning_rate=1e-2, lr_scheduler_type="linear", weight_decay=0.1)
+    args = TrainingArguments(**{**dict(
         output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=opts["ga"],
         max_steps=STEPS, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
         warmup_steps=0, weight_decay=0.0, logging_steps=1, report_to=[], save_strategy="no", seed=7,
         use_cpu=True, disable_tqdm=True, remove_unused_columns=False, dataloader_drop_last=False,
-        include_num_input_tokens_seen="non_padding", per_device_eval_batch_size=3, **extra)
+        include_num_input_tokens_seen="non_padding", per_device_eval_batch_size=3), **extra})
     side = opts.get("collator", "flat")
     collator = FlattenCollator() if side == "flat" else PadCollator(tokenizer.pad_token_id, side)
     data = _documents(tokenizer)
@@ -169,12 +194,23 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
             class cls(ContextParallelTrainer):  # noqa: N801 - a deliberately broken trainer
                 def _loss_scale(self):
                     return 1
+        if opts.get("crash_at"):
+            class cls(cls):  # noqa: N801 - dies while writing the checkpoint of step crash_at (every rank)
+                def _save_optimizer_and_scheduler(self, output_dir):
+                    if self.state.global_step == opts["crash_at"]:
+                        raise RuntimeError("simulated crash while saving")
+                    return super()._save_optimizer_and_scheduler(output_dir)
         trainer = cls(**kwargs, context_parallel_size=opts["cp"], cp_method=opts["method"],
                                          cp_options=opts.get("options"))
         assert trainer.data_parallel_size == dp
     else:
         trainer = Trainer(**kwargs)
-    trainer.train()
+    forwards = [None, set()] if opts.get("compile") else _count_attention_forwards(trainer.model)
+    try:
+        trainer.train(resume_from_checkpoint=opts.get("resume_from"))
+    except RuntimeError as exc:
+        if "simulated crash" not in str(exc):
+            raise
     if opts.get("fsdp") and cp_trainer:  # FSDP2 sharded the model (and no DDP is around it)
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
@@ -183,9 +219,41 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
         assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     logged = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     logged.append(("tokens", trainer.state.num_input_tokens_seen))
+    logged += [("attention_forwards", forwards[0]), ("attention_dtypes", sorted(forwards[1]))]
     if opts.get("eval") is True:  # 11 documents in batches of 3 (the groups take turns)
         logged.append(("eval", trainer.evaluate()["eval_loss"]))
     return logged, trainer
+
+
+def _count_attention_forwards(model) -> list:
+    """[forwards of the attention modules while training (a recomputation runs them again), the
+    dtypes of their outputs]."""
+    count = [0, set()]
+
+    def hook(module, args, output):
+        if module.training and torch.is_grad_enabled():
+            count[0] += 1
+            count[1].add(str(output[0].dtype))
+
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            module.register_forward_hook(hook)
+    return count
+
+
+def _resume(folder: str, out: str, opts: dict, world: int) -> dict:
+    """Train 2 * STEPS steps straight, saving every STEPS, dying while writing the last checkpoint;
+    then a new trainer resumes from the newest checkpoint (``resume_from_checkpoint=True``) to the end.
+    Rank 0 keeps both runs' per-step losses and both final models."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    straight, trainer = _train(folder, out, dict(opts, crash_at=2 * STEPS), world, cp_trainer=True)
+    trainer.save_model(os.path.join(out, "straight"))  # the weights after the last step (not checkpointed)
+    newest = get_last_checkpoint(out)
+    resumed, trainer = _train(folder, out, dict(opts, resume_from=True), world, cp_trainer=True)
+    steps = [h["step"] for h in trainer.state.log_history if "loss" in h]
+    return {"straight": straight, "resumed": resumed, "steps": steps, "newest_after_crash": os.path.basename(newest),
+            "left": sorted(os.listdir(out))}, trainer
 
 
 def _main(out_dir: str, folder: str, names: list[str]) -> None:
@@ -198,9 +266,13 @@ def _main(out_dir: str, folder: str, names: list[str]) -> None:
         world, opts, *_ = table[name]
         out = os.path.join(out_dir, name)
         try:
-            losses, trainer = _train(folder, out, opts, world, cp_trainer=True)
-            trainer.save_model(out)
-            record = {"losses": losses, "launcher_precision": os.environ.get("ACCELERATE_MIXED_PRECISION")}
+            if opts.get("resume"):
+                record, trainer = _resume(folder, out, opts, world)
+                trainer.save_model(out)
+            else:
+                losses, trainer = _train(folder, out, opts, world, cp_trainer=True)
+                trainer.save_model(out)
+                record = {"losses": losses, "launcher_precision": os.environ.get("ACCELERATE_MIXED_PRECISION")}
             if opts.get("compile"):  # Dynamo compiled graphs (a fall back to eager would compile none)
                 from torch._dynamo.utils import counters
 
@@ -230,7 +302,7 @@ def _names(world: int) -> list[str]:
 
 def _params(world: int) -> list:
     return [pytest.param(n, marks=[pytest.mark.slow] if o.get("slow") else [])
-            for n, (w, o) in CONFIGS.items() if w == world and not o.get("wrong_scale")]
+            for n, (w, o) in CONFIGS.items() if w == world and not o.get("wrong_scale") and not o.get("resume")]
 
 
 def _launch(world: int, names: list[str], out: Path, folder: Path, timeout: float = 420,
@@ -285,6 +357,12 @@ def _compare(folder: Path, tmp: Path, out: Path, name: str, results: dict) -> tu
     losses = [row for row in records[0]["losses"] if not isinstance(row[0], str)]
     ref_losses = [row for row in ref_losses if not isinstance(row[0], str)]
     assert extras["tokens"] == want["tokens"], (name, extras, want)  # num_input_tokens_seen: the global batches
+    if want["attention_forwards"] is not None:  # 2 layers, ga micro-batches a step; checkpointing runs them twice
+        opts = CONFIGS[name][1]
+        expected = 2 * opts["ga"] * STEPS * (2 if opts.get("gc") else 1)
+        assert extras["attention_forwards"] == want["attention_forwards"] == expected, (name, extras, want)
+        dtype = "torch.bfloat16" if opts.get("bf16") else "torch.float32"  # bf16=True computes in bf16
+        assert extras["attention_dtypes"] == want["attention_dtypes"] == [dtype], (name, extras, want)
     if "eval" in want:  # evaluate(): the same batches' mean loss
         print(f"{name}: eval_loss error {abs(extras['eval'] - want['eval']):.2e}")
         assert abs(extras["eval"] - want["eval"]) <= LOSS_ATOL, (name, extras, want)
@@ -304,7 +382,33 @@ def _compare(folder: Path, tmp: Path, out: Path, name: str, results: dict) -> tu
 
 def _assert_equal(folder: Path, tmp: Path, out: Path, name: str, results: dict) -> None:
     loss_err, update_err = _compare(folder, tmp, out, name, results)
-    assert loss_err <= LOSS_ATOL and update_err <= UPDATE_RTOL, (name, loss_err, update_err)
+    bf16 = CONFIGS[name][1].get("bf16")
+    loss_tol, update_tol = (LOSS_ATOL_BF16, UPDATE_RTOL_BF16) if bf16 else (LOSS_ATOL, UPDATE_RTOL)
+    assert loss_err <= loss_tol and update_err <= update_tol, (name, loss_err, update_err)
+
+
+def _assert_resumed(out: Path, name: str, results: dict) -> None:
+    """Steps 3-4 resumed from checkpoint-2 equal the straight run's bit for bit (losses, gradient
+    norms, tokens seen, final weights): the checkpoint holds the exact fp32 weights, optimizer
+    moments and step counts, scheduler, RNG and data position, and the same batches then run the
+    same operations. The checkpoint-4 the straight run died writing never became a checkpoint."""
+    from safetensors.torch import load_file
+
+    records = results[name]
+    assert all("error" not in r for r in records), records
+    record = records[0]
+    assert all(r["straight"] == record["straight"] and r["resumed"] == record["resumed"] for r in records)
+    assert record["newest_after_crash"] == "checkpoint-2", record  # not the half-written checkpoint-4
+    assert record["left"] == ["checkpoint-2", "checkpoint-4", "straight"], record  # the resumed run's save replaced it
+    assert record["steps"] == [1, 2, 3, 4], record
+    straight, resumed = dict(map(tuple, record["straight"][4:])), dict(map(tuple, record["resumed"][4:]))
+    assert record["resumed"][2:4] == record["straight"][2:4] and straight["tokens"] == resumed["tokens"], record
+    ga = CONFIGS[name][1]["ga"]  # the resumed run trained steps 3 and 4 only
+    assert (straight["attention_forwards"], resumed["attention_forwards"]) == (2 * ga * 4, 2 * ga * 2), record
+    want = load_file(str(out / name / "straight" / "model.safetensors"))
+    got = load_file(str(out / name / "model.safetensors"))
+    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want), name
+    print(f"{name}: steps 3-4 losses {record['resumed'][2:4]} equal the straight run's; final weights equal")
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +431,11 @@ def test_a_wrong_gradient_scale_is_caught(world2, folder, tmp_path):
     assert loss_err > 100 * LOSS_ATOL and update_err > 100 * UPDATE_RTOL, (loss_err, update_err)
 
 
+def test_world2_cp2_ddp_resumes_after_a_crash_while_saving(world2):
+    out, results = world2
+    _assert_resumed(out, "cp2_resume", results)
+
+
 @pytest.mark.parametrize("name", [n for n, (w, *_) in BAD.items() if w == 2])
 def test_bad_inputs_raise_on_every_rank(world2, name):
     _, results = world2
@@ -343,7 +452,10 @@ def test_world4_cp2_dp2_ddp_fsdp2_and_a_bad_group(folder, tmp_path_factory, tmp_
     assert all("ValueError" in r.get("error", "") for r in records), records
     assert sum("not right-padded" in r["error"] for r in records) == 2, records
     for name in (n for n in names if n in CONFIGS):
-        _assert_equal(folder, tmp_path, out, name, results)
+        if CONFIGS[name][1].get("resume"):
+            _assert_resumed(out, name, results)
+        else:
+            _assert_equal(folder, tmp_path, out, name, results)
 
 
 def test_world3_cp3(folder, tmp_path_factory, tmp_path):
@@ -415,8 +527,8 @@ def test_one_process_equals_trainer_and_bad_arguments(folder, tmp_path):
     opts = dict(cp=1, method="zigzag_ring", batch=3, ga=2, collator="pad")
     runs = [_train(str(folder), str(tmp_path / str(cp)), opts, 1, cp_trainer=cp) for cp in (False, True)]
     (ref_losses, ref), (losses, ours) = runs
-    assert losses.pop()[1] == ref_losses.pop()[1]  # num_input_tokens_seen
-    assert max(abs(a[0] - b[0]) for a, b in zip(losses, ref_losses)) <= LOSS_ATOL
+    assert losses[STEPS:] == ref_losses[STEPS:]  # num_input_tokens_seen, attention forwards and dtypes
+    assert max(abs(a[0] - b[0]) for a, b in zip(losses[:STEPS], ref_losses[:STEPS])) <= LOSS_ATOL
     data = _documents(ref.processing_class or __import__("transformers").AutoTokenizer.from_pretrained(str(folder)))
     assert abs(ours.evaluate(data[:7])["eval_loss"] - ref.evaluate(data[:7])["eval_loss"]) <= LOSS_ATOL
     args = TrainingArguments(output_dir=str(tmp_path / "x"), use_cpu=True, report_to=[])

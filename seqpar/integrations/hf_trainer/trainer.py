@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,7 @@ from ..hf import IGNORE_INDEX, context_parallel_loss, shard_inputs
 from ..hf.convert import _attention_options
 from ..parallelize import parallelize
 from .batches import agree_eval_loss, agree_label_count, count_labels, pack_batch
+from .checkpoints import commit, load_sharded, save_sharded, staging_dir
 
 __all__ = ["ContextParallelTrainer"]
 
@@ -68,8 +71,9 @@ def _check_training_arguments(args: TrainingArguments, cp: int) -> None:
     refusals = {
         "fsdp_config": fsdp_version == 1 and "FSDP1 is not supported; pass fsdp_config={'version': 2}",
         "fp16": fsdp_version == 2 and args.fp16 and "FSDP2 here runs bf16 (bf16=True) or fp32, without a loss scaler",
-        "save_strategy": fsdp_version == 2 and args.save_strategy != "no" and not args.save_only_model and
-        "checkpoints of the sharded optimizer state are not written; pass save_only_model=True or save_strategy='no'",
+        "activation_checkpointing": fsdp_version == 2 and args.activation_checkpointing and
+        (args.fsdp_config or {}).get("activation_checkpointing") and
+        "set both ways (fsdp_config['activation_checkpointing'] too); keep one",
         "deepspeed": args.deepspeed is not None and "DeepSpeed is not supported; use fsdp with version 2",
         "parallelism_config": args.parallelism_config is not None and
         "accelerate's parallelism_config would apply its own context or sequence parallelism; leave it unset",
@@ -90,12 +94,13 @@ def _take_fsdp(args: TrainingArguments):
     if not args.fsdp:
         return None, args
     config = args.fsdp_config or {}
+    # fsdp_config's activation_checkpointing: parallelize's per-layer checkpointing; the training argument
+    # (with its kwargs: use_reentrant, every_n_layers, offload) stays the Trainer's, as without FSDP
     options = {"reshard_after_forward": bool(config.get("reshard_after_forward", True)),
-               "checkpointing": "layer" if (config.get("activation_checkpointing") or args.activation_checkpointing)
-               else "none",
+               "checkpointing": "layer" if config.get("activation_checkpointing") else "none",
                "compile": bool(args.torch_compile), "dtype": torch.bfloat16 if args.bf16 else None}
     args = copy.copy(args)
-    args.fsdp, args.fsdp_plugin_args, args.activation_checkpointing, args.torch_compile = False, None, False, False
+    args.fsdp, args.fsdp_plugin_args, args.torch_compile = False, None, False
     return options, args
 
 
@@ -200,6 +205,64 @@ class ContextParallelTrainer(Trainer):
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    def _save_checkpoint(self, model, trial):
+        """The plain Trainer's checkpoint, written to ``.tmp-checkpoint-N`` and renamed to ``checkpoint-N``
+        when complete (:mod:`.checkpoints`); under FSDP2 with the model's and optimizer's shards in DCP."""
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        run_dir = self._get_output_dir(trial=trial)
+        final = Path(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        staging = staging_dir(final, writer=self.args.should_save)
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        self.save_model(str(staging), _internal_call=True)
+        best = self.state.best_global_step
+        if best and self.args.save_strategy in ("steps", "epoch", "best"):
+            best_dir = Path(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+            if best_dir.exists() or best == self.state.global_step:
+                self.state.best_model_checkpoint = str(best_dir)
+        if not self.args.save_only_model:
+            self._save_optimizer_and_scheduler(str(staging))
+            self._save_scaler(str(staging))
+            self._save_rng_state(str(staging))
+        if self.args.should_save:
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+                saved = self.state.stateful_callbacks[type(cb).__name__]
+                if isinstance(saved, list):
+                    saved.append(cb.state())
+                else:
+                    self.state.stateful_callbacks[type(cb).__name__] = cb.state()
+            self.state.save_to_json(str(staging / "trainer_state.json"))
+        commit(staging, final, writer=self.args.should_save)
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(str(final))
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        """Under FSDP2 every rank writes its optimizer (and model) shards; the first writes the scheduler."""
+        if not self.fsdp_options:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_sharded(output_dir, self.model, self.optimizer)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """Under FSDP2 the model's shards come from the checkpoint's DCP files (any world size)."""
+        if not self.fsdp_options:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_sharded(resume_from_checkpoint, self.model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if not self.fsdp_options or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_sharded(checkpoint, self.model, self.optimizer)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
 
     @property
     def data_parallel_size(self) -> int:
