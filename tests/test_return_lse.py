@@ -64,9 +64,10 @@ def _call(method, kw, local, sinks, causal, window, extra, return_lse):
     res = seqpar.attention(ql, kl, vl, method=method, causal=causal, window=window, sinks=s, stats=stats,
                            return_lse=return_lse, **kw, **extra)
     out, lse = res if return_lse else (res, None)
-    out.backward(local[3])
+    out.backward(local[3])  # the lse not in the loss: its gradient is None (tests/test_lse_grad.py: with one)
     grads = [out.detach(), ql.grad, kl.grad, vl.grad] + ([] if s is None else [s.grad])
-    return grads, lse, dict(stats.sent)
+    meta = None if lse is None else (lse.requires_grad, lse.grad_fn is not None)
+    return grads, None if lse is None else lse.detach(), dict(stats.sent), meta
 
 
 def _expected_lse(method, kw, glob, sinks, causal, window, cu, extra):
@@ -104,14 +105,14 @@ def _batch(method, cases):
         glob = [torch.randn(b, t, h, x, generator=gen) for h, x in ((hq, d), (hkv, d), (hkv, dv), (hq, dv))]
         sinks = (torch.randn(hq, generator=gen) * 2) if with_sinks else None  # logits of the scores' order
         local = [seqpar.shard(x, method=method, **kw, **extra) for x in glob]
-        with_lse, lse, sent = _call(method, kw, local, sinks, causal, window, extra, True)
-        plain, _, sent_plain = _call(method, kw, local, sinks, causal, window, extra, False)
+        with_lse, lse, sent, grad_meta = _call(method, kw, local, sinks, causal, window, extra, True)
+        plain, _, sent_plain, _ = _call(method, kw, local, sinks, causal, window, extra, False)
         want = _expected_lse(method, kw, glob, sinks, causal, window, cu, extra)
         extra_bytes = sent.pop(("fwd", "ulysses_lse"), 0)
         rows.append({
             "identical": all(torch.equal(a, p) for a, p in zip(with_lse, plain)),
             "lse_err": _lse_error(lse, want),
-            "lse_meta": (tuple(lse.shape), lse.dtype, lse.requires_grad, lse.grad_fn),
+            "lse_meta": (tuple(lse.shape), lse.dtype, *grad_meta),
             "want_shape": (b, hq, local[0].shape[1]),
             "bytes_same": sent == sent_plain,
             "extra_bytes": (extra_bytes, _lse_bytes(method, kw, hq, b, local[0].shape[1])),
@@ -127,7 +128,8 @@ def _check(res, cases=CASES):
             # fp32: the lse is merged in fp32 over <= 24 keys of O(1) scores (~1e-7 relative); a wrong
             # mask, row order or missing sink term is off by > 1e-2
             assert r["lse_err"] <= FP32_TOL, f"{where}: lse error {r['lse_err']:.2e}"
-            assert r["lse_meta"] == (r["want_shape"], torch.float32, False, None), f"{where}: {r['lse_meta']}"
+            # differentiable (seqpar.softmax.lse): gradients through it are tests/test_lse_grad.py's
+            assert r["lse_meta"] == (r["want_shape"], torch.float32, True, True), f"{where}: {r['lse_meta']}"
             assert r["bytes_same"], f"{where}: return_lse changed the bytes of the rest of the call"
             assert r["extra_bytes"][0] == r["extra_bytes"][1], f"{where}: lse all-to-all bytes {r['extra_bytes']}"
 
@@ -169,7 +171,7 @@ def _run_fn(fn, leaves, dout):
     """``fn(*leaves) -> (out, lse)``, backward through out: (out, lse, every leaf's gradient)."""
     out, lse = fn(*leaves)
     out.backward(dout)
-    return [out.detach(), lse] + [x.grad for x in leaves], lse.requires_grad
+    return [out.detach(), lse.detach()] + [x.grad for x in leaves], lse.requires_grad
 
 
 def _compiled(method):
@@ -204,14 +206,15 @@ def _compiled(method):
 @pytest.mark.parametrize("method", ["zigzag_ring", "ulysses"])
 def test_compiled_equals_eager(method):
     """The compiled op returns the lse as one more output (ring family: a copy of its saved lse;
-    Ulysses: the lse brought back to sequence shards); out, lse and gradients equal eager exactly."""
+    Ulysses: the lse brought back to sequence shards), differentiable; out, lse and gradients (the
+    lse not in the loss) equal eager exactly."""
     for rank, (same, ds_err, needs_grad, kwargs) in enumerate(run_distributed(_compiled, 2, method, timeout=TIMEOUT)):
         assert kwargs == {"with_lse": True}, f"rank {rank}: the graph's op was called with {kwargs}"
         assert all(same), f"rank {rank}: compiled differs from eager in (out, lse, dq, dk, dv): {same}"
         # ds: a sum over rows of both signs, which the compiled backward may order differently
         # (Ulysses: ~2e-7 apart, with or without return_lse); fp32 rounding, far below a wrong term
         assert ds_err <= FP32_TOL, f"rank {rank}: compiled ds differs from eager by {ds_err:.2e}"
-        assert not needs_grad, f"rank {rank}: the compiled lse requires grad"
+        assert needs_grad, f"rank {rank}: the compiled lse does not require grad"
 
 
 def _checkpointed(method):

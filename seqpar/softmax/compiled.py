@@ -16,10 +16,10 @@ Tensors:
     [B, Hq, T_local]]``; Ulysses / USP the head-sharded ``[qh, kh, vh, outh, lse]`` (``[B, U*T_local,
     h, D]``, lse ``[B, h, U*T_local]``, h this member's heads), then, for ``with_lse``
     (``return_lse=True``), one more: the lse of this rank's rows ``[B, Hq, T_local]`` that the call
-    returns (detached: not differentiable, :mod:`.lse`; not kept for backward). lse is float32
-    (float64 for float64).
-    ``attention_bwd(dout, q, k, v, sinks, cu_seqlens, out, saved, key) -> (dq, dk, dv, dsinks)``
-    (``dsinks`` empty without sinks).
+    returns (differentiable, :mod:`.lse`; not kept for backward). lse is float32 (float64 for float64).
+    ``attention_bwd(dout, q, k, v, sinks, cu_seqlens, out, saved, key, dlse) -> (dq, dk, dv, dsinks)``
+    (``dsinks`` empty without sinks; ``dlse [B, Hq, T_local]``: the returned lse's gradient, None when
+    the lse is not returned or has none).
 
 The non-tensor arguments (group, method, causal, window, stats, trace, ...) cannot be op arguments:
 a ProcessGroup, a ``CommStats`` or a ``Trace`` is no tensor, int or string. They are registered once,
@@ -169,8 +169,8 @@ def _attention_fwd_fake(q, k, v, sinks, cu_seqlens, key, heads, *, with_lse=Fals
 @torch.library.custom_op("seqpar::attention_bwd", mutates_args=())
 def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   sinks: torch.Tensor | None, cu_seqlens: torch.Tensor | None, out: torch.Tensor,
-                  saved: list[torch.Tensor], key: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                torch.Tensor]:
+                  saved: list[torch.Tensor], key: int, dlse: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     call = _call(key)
     arguments = call.arguments(q, k, v, sinks, cu_seqlens)
     trace = resolve(arguments["trace"])
@@ -178,16 +178,16 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     named = dict(zip(("q", "k", "v", "sinks"), args[:4]), out=out)
     ctx = FunctionCtx([saved[w] if isinstance(w, int) else named[w] for w in _SAVED[function]], args[4],
                (True, True, True, sinks is not None, False))
-    grads = list(function.backward(ctx, dout)[:4])
+    grads = list(function.backward(ctx, dout, *(() if dlse is None else (dlse,)))[:4])
     grads[3] = q.new_empty(0) if grads[3] is None else grads[3]
-    inputs = (dout, q, k, v, sinks, cu_seqlens, out, *saved)
+    inputs = (dout, q, k, v, sinks, cu_seqlens, out, *saved, dlse)
     for i, g in enumerate(grads):  # (dK, dV may be views of one buffer: allgather_kv's reduce-scatter)
         grads[i] = standard(fresh(g, inputs + tuple(grads[:i])))
     return tuple(grads)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, sinks, cu_seqlens, out, saved, key):
+def _attention_bwd_fake(dout, q, k, v, sinks, cu_seqlens, out, saved, key, dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), (
         q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape))
 
@@ -197,12 +197,15 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     out, saved = output
     with_lse = keyword_only_inputs.get("with_lse", False)  # its last saved tensor: returned, not kept
     ctx.save_for_backward(q, k, v, sinks, cu_seqlens, out, *(saved[:-1] if with_lse else saved))
-    ctx.key = key
+    ctx.key, ctx.with_lse = key, with_lse
 
 
-def _backward(ctx, dout, _dsaved):
+def _backward(ctx, dout, dsaved):
     q, k, v, sinks, cu_seqlens, out, *saved = ctx.saved_tensors
-    dq, dk, dv, ds = attention_bwd(dout.contiguous(), q, k, v, sinks, cu_seqlens, out, saved, ctx.key)
+    dlse = dsaved[-1] if ctx.with_lse else None  # the returned lse's gradient (zeros when not in the loss)
+    dout = torch.zeros_like(out) if dout is None else dout  # (only the lse in the loss)
+    dq, dk, dv, ds = attention_bwd(dout.contiguous(), q, k, v, sinks, cu_seqlens, out, saved, ctx.key,
+                                   None if dlse is None else dlse.contiguous())
     return dq, dk, dv, (ds if sinks is not None and ctx.needs_input_grad[3] else None), None, None, None
 
 
@@ -211,7 +214,7 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def compiled_attention(q, k, v, arguments: dict, setup: Callable):
     """:func:`seqpar.attention` while Dynamo traces: register the options, emit the forward op.
-    Returns ``out``, or ``(out, lse)`` (lse detached) when ``arguments["return_lse"]`` is True.
+    Returns ``out``, or ``(out, lse)`` (both differentiable) when ``arguments["return_lse"]`` is True.
 
     ``arguments``: every argument of the call by name; ``setup``: the entry point's
     ``(q, k, v, arguments, *, trace, first=True, needs_grad) -> (Function, args)``.
@@ -230,7 +233,7 @@ def compiled_attention(q, k, v, arguments: dict, setup: Callable):
     heads = saved_heads(key, int(q.shape[2]), int(k.shape[2]))
     with_lse = arguments["return_lse"] is True  # (anything but a bool: the op's checks raise ValueError)
     out, saved = attention_fwd(q, k, v, sinks, cu if cu_tensor else None, key, heads, with_lse=with_lse)
-    return (out, saved[-1].detach()) if with_lse else out
+    return (out, saved[-1]) if with_lse else out
 
 
 __all__ = ["RegisteredCall", "attention_bwd", "attention_fwd", "compiled_attention", "register_call", "saved_heads"]

@@ -40,8 +40,8 @@ from ..kernels import block_backward, block_forward, block_forward_into, merge_,
 from ..kernels.varlen import varlen_backward, varlen_forward
 from ..tracing import Trace, begin, end
 from .checkpoint import active_tape
-from .foreign import foreign_delta
-from .lse import returned
+from .foreign import bundle_stats, with_lse_grad
+from .lse import incoming, returned
 from .messages import indexed_moves, last_use, message_tag
 from .plans import FOLD, OPERANDS, WIRES, Move, RingPlan, Schedule, Task, Wire
 from .sinks import apply_sinks, sinks_grad
@@ -65,7 +65,7 @@ class RingConfig:
     stats: CommStats | None = None
     channels: tuple[GroupInfo, ...] | None = None
     trace: Trace | None = None  # records kernels, messages and their dependencies (seqpar.tracing)
-    return_lse: bool = False  # the Function returns (out, lse) (seqpar.attention's return_lse, :mod:`.lse`)
+    return_lse: bool = False  # returns (out, lse); backward may get its gradient (:mod:`.lse`, :mod:`.foreign`)
 
     def channel(self, i: int) -> GroupInfo:
         if not self.channels:
@@ -106,8 +106,9 @@ class _Held:
 class _Run:
     """One pass (forward or backward) of a schedule on this rank."""
 
-    def __init__(self, cfg: RingConfig, sched: Schedule, q, k, v, dout=None, out=None, lse=None):
+    def __init__(self, cfg: RingConfig, sched: Schedule, q, k, v, dout=None, out=None, lse=None, dlse=None):
         self.cfg, self.sched, self.bwd = cfg, sched, dout is not None
+        self.check = cfg.return_lse or dlse is not None  # a bundle's delta may include a dlse
         self.acc = _acc_dtype(q)
         self.gwire = cfg.grad_comm_dtype or self.acc
         self.shape_q, self.shape_kv = tuple(q.shape), tuple(k.shape)
@@ -116,6 +117,8 @@ class _Run:
         parts = {"q": q}
         if self.bwd:
             parts.update(dout=dout, out=out, lse=lse)
+            if dlse is not None:  # delta' = delta - dlse, for the own rows and as sent
+                with_lse_grad(parts, dlse, self.acc)
         # (what, owner) -> the row ranges held of that operand (one, or several disjoint ones)
         self.held = {("q", 0): [_Held(0, parts)], ("kv", 0): [_Held(0, {"k": k, "v": v})]}
         self.incoming: dict = {}  # operands that arrived in the current step, held from the next
@@ -306,8 +309,8 @@ class _Run:
             o, lse = block_forward(qp["q"][:, qr], k, v, scale=cfg.scale, mask=b.mask, backend=cfg.backend)
             self.add("out", task.q, b.q, (o, lse))
         else:
-            delta = foreign_delta(task, qp, qr)
-            gq, gk, gv = block_backward(qp["dout"][:, qr], qp["q"][:, qr], k, v, qp["out"][:, qr], qp["lse"][:, :, qr],
+            out, delta = bundle_stats(task, qp, qr, self.check)
+            gq, gk, gv = block_backward(qp["dout"][:, qr], qp["q"][:, qr], k, v, out, qp["lse"][:, :, qr],
                                         scale=cfg.scale, mask=b.mask, backend=cfg.backend, delta=delta)
             self.add("out", task.q, b.q, (gq,))
             self.add("dkv", task.kv, b.kv, (gk, gv))
@@ -323,14 +326,14 @@ class _Run:
             if task.q != 0:
                 self.add("out", task.q, b.q, acc)  # cast to the input dtype when sent
             return
-        delta = foreign_delta(task, qp, qr)
+        out, delta = bundle_stats(task, qp, qr, self.check)
         gq = self.own("out")[0][:, b.q] if task.q == 0 else \
             torch.zeros(qp["q"][:, qr].shape, dtype=self.acc, device=self.device)
         if task.kv == 0:
             gk, gv = self.own("dkv")[0][:, b.kv], self.own("dkv")[1][:, b.kv]
         else:
             gk, gv = (torch.zeros(x.shape, dtype=self.acc, device=self.device) for x in (k, v))
-        varlen_backward(qp["dout"][:, qr], qp["q"][:, qr], k, v, qp["out"][:, qr], qp["lse"][:, :, qr], segs,
+        varlen_backward(qp["dout"][:, qr], qp["q"][:, qr], k, v, out, qp["lse"][:, :, qr], segs,
                         scale=cfg.scale, backend=cfg.backend, delta=delta, grad_acc=(gq, gk, gv))
         if task.q != 0:
             self.add("out", task.q, b.q, (gq,))
@@ -338,12 +341,13 @@ class _Run:
             self.add("dkv", task.kv, b.kv, (gk, gv))
 
 
-def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
+def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None, dlse=None) -> tuple:
     """Run this rank's schedule. Forward (``dout`` None): returns ``(out, lse)`` of the local rows,
-    fp32 accumulators. Backward: returns fp32 ``(dq, dk, dv)`` of the local shard."""
+    fp32 accumulators. Backward: returns fp32 ``(dq, dk, dv)`` of the local shard (``dlse``: a
+    gradient on the lse, or None)."""
     info = cfg.info
     sched = cfg.plan.schedule(q.shape[1])
-    run = _Run(cfg, sched, q, k, v, dout, out, lse)
+    run = _Run(cfg, sched, q, k, v, dout, out, lse, dlse)
     gathered = sched.transport == "allgather" and not info.single
     if gathered:  # K and V gathered as they are (no stacked copy; their head dims may differ)
         k_all, ids = all_gather_stack(info, k, stats=cfg.stats, name="allgather_kv", trace=cfg.trace), []
@@ -387,19 +391,15 @@ def execute(cfg: RingConfig, q, k, v, dout=None, out=None, lse=None) -> tuple:
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: RingConfig):
     """Local Q ``[B, T, Hq, D]`` against every rank's K,V ``[B, T, Hkv, D]`` as ``cfg.plan`` says.
-
-    Returns ``(out, lse)``: out ``[B, T, Hq, D]`` in fp32 (float64 for float64 input), lse
-    ``[B, Hq, T]`` fp32.
-    """
+    Returns ``(out, lse)``: out ``[B, T, Hq, D]`` fp32 (float64 for float64 input), lse ``[B, Hq, T]``."""
     return execute(cfg, q, k, v)
 
 
-def ring_backward(dout, q, k, v, out, lse, cfg: RingConfig):
-    """Gradients for the local q, k, v given the merged ``out``/``lse`` of the local rows.
-
-    Returns fp32 (float64 for float64 input) ``dq [B, T, Hq, D]``, ``dk``, ``dv [B, T, Hkv, D]``.
-    """
-    return execute(cfg, q, k, v, dout, out, lse)
+def ring_backward(dout, q, k, v, out, lse, cfg: RingConfig, dlse=None):
+    """Gradients for the local q, k, v given the merged ``out``/``lse`` of the local rows, and
+    ``dlse [B, Hq, T]`` (or None), the gradient on that lse (:mod:`.lse`). Returns fp32 (float64 for
+    float64 input) ``dq [B, T, Hq, D]``, ``dk``, ``dv [B, T, Hkv, D]``."""
+    return execute(cfg, q, k, v, dout, out, lse, dlse)
 
 
 class RingAttention(torch.autograd.Function):
@@ -434,16 +434,16 @@ class RingAttention(torch.autograd.Function):
         return returned(ctx, out, lse, cfg.return_lse)
 
     @staticmethod
-    def backward(ctx, dout, *_):  # (the lse's gradient, when returned, is not used: :mod:`.lse`)
+    def backward(ctx, dout, *dlse):  # dlse: the returned lse's gradient (return_lse=True), or None
         q, k, v, out, lse, sinks = ctx.saved_tensors
         cfg = ctx.cfg
         if cfg.stats is not None:
             cfg.stats.phase = "bwd"
-        dout = dout.contiguous()
+        dout, dlse = incoming(dout, dlse, out.shape, out)
         begin(cfg.trace, "attention bwd")
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, cfg)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, cfg, dlse)
         end(cfg.trace, "attention bwd")
         if cfg.stats is not None:
             cfg.stats.phase = "fwd"
-        ds = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
+        ds = sinks_grad(dout, out, lse, sinks, dlse) if ctx.needs_input_grad[3] else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds, None

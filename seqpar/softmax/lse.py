@@ -15,14 +15,26 @@ or windowed, always see at least their own key.
 The returned lse is the caller's own tensor (a copy): changing it in place changes nothing that
 the backward or :func:`seqpar.checkpoint`'s replay reads.
 
-**Not differentiable.** ``lse`` is marked non-differentiable: it has no ``grad_fn``, so a backward
-through it alone raises torch's usual error ("does not require grad"), and one through a sum with
-``out`` gets the gradient of ``out`` only. Why not exact gradients through it: the gradient is a
-small change (``dS_ij = P_ij (dP_ij - delta_i + dlse_i)``: ``delta - dlse`` in place of ``delta``,
-plus ``dlse·p_sink`` in the sinks' gradient), but it would have to travel with the query bundle
-of every schedule, the varlen and Ulysses paths and the compiled backward op; the callers this
-serves (merging with another attention, cascades, the ring-flash-attention drop-in, whose peer
-returns an lse without gradient too) read it without differentiating it.
+**Differentiable.** With ``L_i = log(Σ_j exp(s_ij) [+ exp(sink_h)])`` and ``P_ij = exp(s_ij - L_i)``,
+``∂L_i/∂s_ij = P_ij`` and ``∂L_i/∂sink_h = p_sink,i``: a gradient ``dlse`` on the lse only changes
+the backward's per-row ``delta_i = rowsum(dout_i · out_i)`` into ``delta_i - dlse_i``, wherever delta
+is used (``dS_ij = P_ij (dP_ij - delta_i')``, the sinks' ``-Σ_i p_sink,i delta_i'``). The executor's
+own rows take delta' and its query bundles carry delta' in place of delta (:mod:`.foreign`: the same
+bytes), the packed, windowed, Ulysses and USP paths and :func:`seqpar.checkpoint` pass it on, and the
+compiled backward op takes it as one more input. A loss of the lse alone (``out`` unused) works: its
+``dout`` is zero. Rows with ``lse = -inf`` (packed padding) see no key and get no gradient from it,
+whatever their ``dlse`` (never NaN).
+
+When the lse is not differentiated (``return_lse=False``, or its gradient is None or zeros: the lse
+is not in the loss), the backward is the one without it, bit for bit, with the same bytes. With a
+``dlse``: the kernels that derive delta from ``out`` get a surrogate ``out``
+(:func:`.foreign.surrogate_out`), or, when a row has ``dout = 0`` and ``dlse != 0`` (a loss of the
+lse alone), the kernels that take delta itself (the Triton and reference kernels); with
+``return_lse=True`` a backward reads one or two bools on the host (a dlse of zeros; a query bundle's
+rows only delta can carry). The ring family sends nothing more, and its ranks may differ in
+whether their loss holds the lse. Ulysses and USP send ``dlse`` to the head shards by one more
+all-to-all (``B·Hq·T_local`` fp32 values per rank, the inverse of the forward's): there every rank
+of the Ulysses axis must differentiate through its lse, or none (as every rank must run backward).
 
 Ulysses and USP hold the lse head-sharded after their local attention; with ``return_lse=True``
 one extra all-to-all of ``B·Hq·T_local`` values (fp32) per rank brings it back to this rank's rows.
@@ -41,7 +53,8 @@ def check_return_lse(return_lse) -> None:
 
 
 def returned(ctx, out: torch.Tensor, lse: torch.Tensor | None, with_lse: bool):
-    """A family Function's forward result: ``out``, or ``(out, lse)`` with lse non-differentiable.
+    """A family Function's forward result: ``out``, or ``(out, lse)``, both differentiable; unused ones
+    reach backward as None (``set_materialize_grads(False)``: :func:`incoming`).
 
     The lse returned is a copy (``B·Hq·T_local`` values): the ring family saves its lse for backward
     and :func:`seqpar.checkpoint` records it for the replay, so a caller changing the returned one in
@@ -50,8 +63,25 @@ def returned(ctx, out: torch.Tensor, lse: torch.Tensor | None, with_lse: bool):
     if not with_lse:
         return out
     lse = lse.clone()
-    ctx.mark_non_differentiable(lse)
+    if hasattr(ctx, "set_materialize_grads"):  # (the compiled op's stand-in ctx gets what its autograd gets)
+        ctx.set_materialize_grads(False)
     return out, lse
 
 
-__all__ = ["check_return_lse", "returned"]
+def incoming(dout: torch.Tensor | None, dlse: tuple, shape, like: torch.Tensor):
+    """A family Function's backward inputs ``(dout, dlse)``: ``dout`` contiguous, zeros of ``shape`` in
+    ``like``'s dtype when only the lse was used; ``dlse`` ``[B, Hq, T_local]`` contiguous, or None
+    (``return_lse=False``, or the lse not differentiated). ``dlse``: the backward's other gradients.
+
+    A dlse of zeros is None: a compiled graph (the compiled op, or one around an eager call) hands
+    zeros for an lse not in the loss where eager autograd hands None; zeros change nothing, and so
+    take the backward without a dlse, bit for bit (one bool read on the host per such backward)."""
+    g = dlse[0] if dlse else None
+    if g is not None and not bool(g.any()):
+        g = None
+    if dout is None:
+        dout = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    return dout.contiguous(), None if g is None else g.contiguous()
+
+
+__all__ = ["check_return_lse", "incoming", "returned"]

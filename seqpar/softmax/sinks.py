@@ -59,11 +59,15 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tu
     return (out.to(lse.dtype) * factor).to(out.dtype), new
 
 
-def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+               dlse: torch.Tensor | None = None) -> torch.Tensor:
     """``ds [H]`` in sinks' dtype from this rank's rows: ``-Σ_rows exp(s_h - lse'_i)·delta_i`` with
-    ``delta_i = rowsum(dout_i · out'_i)``; ``out``, ``lse`` are the sink-adjusted ones."""
+    ``delta_i = rowsum(dout_i · out'_i)``, minus ``dlse_i`` when the returned lse has a gradient
+    ``dlse [B, H, T]`` (``∂lse'_i/∂s_h = p_i``, :mod:`.lse`); ``out``, ``lse`` are the sink-adjusted ones."""
     acc = lse.dtype
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, T]
+    if dlse is not None:
+        delta = delta - dlse.to(acc)
     seen = torch.isfinite(lse)
     p = torch.exp(sinks.detach().to(acc)[None, :, None] - torch.where(seen, lse, 0.0))
     # where, not a product: padding rows may hold NaN in dout (never read), and must add exactly 0

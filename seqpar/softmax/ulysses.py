@@ -58,7 +58,8 @@ from ..methods import head_shards
 from ..tracing import Trace, begin, block_flops, end, span
 from .checkpoint import active_tape
 from .executor import RingConfig, ring_backward, ring_forward
-from .lse import returned
+from .foreign import lse_grad_stats
+from .lse import incoming, returned
 from .sinks import apply_sinks, sinks_grad
 from .window import effective_window
 
@@ -243,17 +244,22 @@ def _segment_forward(q, k, v, cfg: UlyssesConfig):
         return block_forward(q, k, v, scale=cfg.scale, mask=cfg.mask, backend=cfg.backend)
 
 
-def _segment_backward(dout, q, k, v, out, lse, cfg: UlyssesConfig):
+def _segment_backward(dout, q, k, v, out, lse, cfg: UlyssesConfig, dlse=None):
     if cfg.ring is not None:
-        return ring_backward(dout, q, k, v, out, lse, cfg.ring)
+        return ring_backward(dout, q, k, v, out, lse, cfg.ring, dlse)
+    delta = None
+    if dlse is not None:  # delta' = delta - dlse, out a surrogate for it (or None: :mod:`.foreign`)
+        out, delta = lse_grad_stats(dout, out, lse, dlse)
     with _span(cfg, q, k, True):
         if cfg.packed is not None:
             order, inv = cfg.packed.index(q.device)
-            grads = varlen_backward(*(x.index_select(1, order) for x in (dout, q, k, v, out)),
+            grads = varlen_backward(*(x.index_select(1, order) for x in (dout, q, k, v)),
+                                    None if out is None else out.index_select(1, order),
                                     lse.index_select(2, order), cfg.packed.segments, scale=cfg.scale,
-                                    backend=cfg.backend)
+                                    backend=cfg.backend, delta=None if delta is None else delta.index_select(2, order))
             return tuple(g.index_select(1, inv) for g in grads)
-        return block_backward(dout, q, k, v, out, lse, scale=cfg.scale, mask=cfg.mask, backend=cfg.backend)
+        return block_backward(dout, q, k, v, out, lse, scale=cfg.scale, mask=cfg.mask, backend=cfg.backend,
+                              delta=delta)
 
 
 def _local_forward(qh, kh, vh, cfg: UlyssesConfig, sinks=None):
@@ -269,15 +275,16 @@ def _local_forward(qh, kh, vh, cfg: UlyssesConfig, sinks=None):
     return out.to(qh.dtype), lse
 
 
-def _local_backward(douth, qh, kh, vh, outh, lse, cfg: UlyssesConfig):
-    """Gradients of the local heads, in the input dtype (dk, dv with this member's KV heads)."""
+def _local_backward(douth, qh, kh, vh, outh, lse, cfg: UlyssesConfig, dlse=None):
+    """Gradients of the local heads, in the input dtype (dk, dv with this member's KV heads);
+    ``dlse [B, h, L]``: the gradient on the lse of the local heads, or None."""
     if len(cfg.segments) == 1:
-        grads = _segment_backward(douth, qh, kh, vh, outh, lse, cfg)
+        grads = _segment_backward(douth, qh, kh, vh, outh, lse, cfg, dlse)
         return [g.to(qh.dtype) for g in grads]
     dq, dk, dv = torch.empty_like(qh), torch.empty_like(kh), torch.empty_like(vh)
     for s in cfg.segments:
         gq, gk, gv = _segment_backward(douth[:, :, s.q], qh[:, :, s.q], kh[:, :, s.kv], vh[:, :, s.kv],
-                                       outh[:, :, s.q], lse[:, s.q], cfg)
+                                       outh[:, :, s.q], lse[:, s.q], cfg, None if dlse is None else dlse[:, s.q])
         dq[:, :, s.q], dk[:, :, s.kv], dv[:, :, s.kv] = gq, gk, gv
     return [dq, dk, dv]
 
@@ -313,12 +320,22 @@ def lse_to_seq(lse, cfg: UlyssesConfig):
     return rows.squeeze(-1).transpose(1, 2).contiguous()
 
 
-def ulysses_backward(dout, saved, cfg: UlyssesConfig, sinks=None):
+def lse_to_heads(dlse, cfg: UlyssesConfig):
+    """Inverse of :func:`lse_to_seq`: this rank's rows' ``dlse [B, Hq, c]`` (the returned lse's gradient)
+    to the local heads ``[B, h, U·c]``, one all-to-all of ``B·Hq·c`` fp32 values (:mod:`.lse`)."""
+    (heads,) = seq_to_heads(cfg.axis, (dlse.transpose(1, 2).unsqueeze(-1),), (cfg.q_split,), stats=cfg.stats,
+                            name="ulysses_dlse", trace=cfg.trace)
+    return heads.squeeze(-1).transpose(1, 2).contiguous()
+
+
+def ulysses_backward(dout, saved, cfg: UlyssesConfig, sinks=None, dlse=None):
     """``dout [B, c, Hq, D]`` -> ``dq [B, c, Hq, D]``, ``dk, dv [B, c, Hkv, D]`` in the input dtype,
-    and ``ds [Hq]`` (this member's heads; zeros elsewhere) when ``sinks`` is given."""
+    and ``ds [Hq]`` (this member's heads; zeros elsewhere) when ``sinks`` is given. ``dlse [B, Hq, c]``:
+    the gradient on the returned lse of this rank's rows, or None."""
     qh, kh, vh, outh, lse = saved
     (douth,) = seq_to_heads(cfg.axis, (dout,), (cfg.q_split,), stats=cfg.stats, name="ulysses_dout", trace=cfg.trace)
-    grads = _local_backward(douth, qh, kh, vh, outh, lse, cfg)
+    dlse = None if dlse is None else lse_to_heads(dlse, cfg)
+    grads = _local_backward(douth, qh, kh, vh, outh, lse, cfg, dlse)
     splits = (cfg.q_split, cfg.kv_split, cfg.kv_split)
     heads = (cfg.heads[0], cfg.heads[1], cfg.heads[1])
     dq, dk, dv = heads_to_seq(cfg.axis, grads, splits, heads, stats=cfg.stats, name="ulysses_dqkv", trace=cfg.trace)
@@ -326,7 +343,7 @@ def ulysses_backward(dout, saved, cfg: UlyssesConfig, sinks=None):
     if sinks is not None:
         me = cfg.axis.rank
         ds = torch.zeros_like(sinks)
-        ds[cfg.q_split.start[me]:cfg.q_split.stop[me]] = sinks_grad(douth, outh, lse, _local_sinks(sinks, cfg))
+        ds[cfg.q_split.start[me]:cfg.q_split.stop[me]] = sinks_grad(douth, outh, lse, _local_sinks(sinks, cfg), dlse)
     return dq, dk, dv, ds
 
 
@@ -358,13 +375,16 @@ class UlyssesAttention(torch.autograd.Function):
         return returned(ctx, out, rows_lse, cfg.return_lse)
 
     @staticmethod
-    def backward(ctx, dout, *_):  # (the lse's gradient, when returned, is not used: :mod:`.lse`)
+    def backward(ctx, dout, *dlse):  # dlse: the returned lse's gradient (return_lse=True), or None
         cfg = ctx.cfg
         *saved, sinks = ctx.saved_tensors  # first: under seqpar.checkpoint this recomputes the forward
         if cfg.stats is not None:
             cfg.stats.phase = "bwd"
+        qh, outh = saved[0], saved[3]
+        shape = (qh.shape[0], qh.shape[1] // cfg.axis.size, cfg.heads[0], outh.shape[3])
+        dout, dlse = incoming(dout, dlse, shape, qh)
         begin(cfg.trace, "attention bwd")
-        dq, dk, dv, ds = ulysses_backward(dout.contiguous(), saved, cfg, sinks if ctx.needs_input_grad[3] else None)
+        dq, dk, dv, ds = ulysses_backward(dout, saved, cfg, sinks if ctx.needs_input_grad[3] else None, dlse)
         end(cfg.trace, "attention bwd")
         if cfg.stats is not None:
             cfg.stats.phase = "fwd"

@@ -78,7 +78,8 @@ def usp_setup(q, k, v, call) -> UlyssesConfig:
                       "the result as group=", stacklevel=3)
         axes = make_usp_groups(axes)
     ring = RingConfig(info=axes.ring, plan=plan, scale=call.scale, backend=call.backend,
-                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, trace=call.trace)
+                      grad_comm_dtype=call.grad_comm_dtype, stats=call.stats, trace=call.trace,
+                      return_lse=call.return_lse)  # (here: the ring's backward may get a dlse)
     return ulysses_config(axes.ulysses, q, k, call, ring=ring)
 
 

@@ -93,8 +93,13 @@ def option_fields(x, **options) -> dict:
 def attend(q, k, v, *, method: str, causal: bool, softmax_scale, window, group, cu_seqlens=None,
            return_lse: bool = False):
     """``seqpar.attention`` on ``[B, T_local, H, D]`` inputs, once; with ``return_lse`` also the merged
-    lse ``[B, Hq, T_local]`` of the same call (fp32 as the peer returns it, no gradient:
-    :mod:`seqpar.softmax.lse`), else None."""
+    lse ``[B, Hq, T_local]`` of the same call (fp32 as the peer returns it), else None.
+
+    The lse is differentiable, as seqpar.attention's is (:mod:`seqpar.softmax.lse`), where the peer's
+    backward drops the lse's gradient silently. Kept so: code written for the peer does not put the
+    lse in its loss, and an lse without a gradient (None, or zeros from a compiled graph around
+    the call) runs the backward without one, bit for bit and with the same bytes; code that does
+    differentiate it (merging with another attention) gets the exact gradient, not a silently wrong one."""
     result = attention(q, k, v, group=group, method=method, causal=causal, softmax_scale=softmax_scale,
                        cu_seqlens=cu_seqlens, window=window, return_lse=return_lse)
     if not return_lse:
