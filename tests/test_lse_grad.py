@@ -9,8 +9,9 @@ single-process reference built from plain torch (``reference_attention``'s softm
 non-causal with a window, sinks and MLA head dims (MQA); packed causal documents with sinks, whose
 padding rows (lse ``-inf``) get a nonzero ``u`` (no NaN, no gradient from them); the lse alone
 with sinks. The bytes sent equal those of the same call differentiated through out alone, but for
-Ulysses' and USP's one all-to-all of ``dlse`` (exactly its size). Then seqpar.checkpoint and
-torch.compile (aot_eager, fullgraph) against the plain call.
+Ulysses' and USP's one all-to-all of ``dlse`` (exactly its size). Then: the lse in one rank's
+loss only; bf16 inputs; seqpar.checkpoint and torch.compile (aot_eager, fullgraph) against the
+plain call; the ring-flash-attention drop-in's lse.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from seqpar.methods import DECLARED, head_shards
 from seqpar.softmax.reference import reference_attention, reference_lse
 from seqpar.testing import run_distributed
 
-from dist_utils import FP32_TOL, rel_err, world
+from dist_utils import BF16_FACTOR, BF16_FLOOR, FP32_TOL, rel_err, world
 
 METHODS = tuple(m.name for m in DECLARED if m.softmax)
 TIMEOUT = 300
@@ -58,13 +59,14 @@ def _dlse_bytes(method, kw, hq, b, t_local) -> int:
     return b * t_local * (hq - shards[me]) * 4
 
 
-def _reference(glob, w, u, sinks, causal, window, cu):
-    """dq, dk, dv, ds of the float64 reference for the loss (out * w).sum() + (lse * u).sum()."""
-    q, k, v = (t.double().clone().requires_grad_() for t in glob)
-    s = None if sinks is None else sinks.double().clone().requires_grad_()
+def _reference(glob, w, u, sinks, causal, window, cu, dtype=torch.float64):
+    """dq, dk, dv, ds of the reference computed in ``dtype`` (float64: the ground truth) for the loss
+    (out * w).sum() + (lse * u).sum()."""
+    q, k, v = (t.to(dtype).clone().requires_grad_() for t in glob)
+    s = None if sinks is None else sinks.to(dtype).clone().requires_grad_()
     args = {"causal": causal, "window": window, "cu_seqlens": cu, "sinks": s}
     lse = reference_lse(q, k, **args)
-    torch.autograd.backward((reference_attention(q, k, v, **args), lse), (w.double(), u.double()))
+    torch.autograd.backward((reference_attention(q, k, v, **args), lse), (w.to(dtype), u.to(dtype)))
     grads = [x.grad for x in (q, k, v)]
     return grads + ([] if s is None else [s.grad])
 
@@ -216,6 +218,39 @@ def test_checkpoint_and_compile(method):
             # the same Function backward with the same dlse: equal but for ds, a sum over rows of both
             # signs that the compiled graph may order differently (fp32 rounding, far below a dropped dlse)
             assert max(errs) <= FP32_TOL, f"{where}: compiled differs from eager: {errs}"
+
+
+def _bf16(method):
+    """bf16 q, k, v (dense causal GQA, sinks), a loss of out and lse and of lse alone: errors against
+    float64 on the same rounded inputs, and those of the reference computed in bf16 on one device."""
+    _, n = world()
+    kw = _options(method, n)
+    gen = torch.Generator().manual_seed(21)
+    glob = [torch.randn(2, 24, h, 8, generator=gen).to(torch.bfloat16) for h in (4, 2, 2, 4)]
+    u, sinks = torch.randn(2, 4, 24, generator=gen), torch.randn(4, generator=gen) * 2
+    local = [seqpar.shard(x, method=method, **kw) for x in glob]
+    lu = seqpar.shard(u, method=method, dim=2, **kw)
+    res = {}
+    for lse_only in (False, True):
+        w = glob[3] * (0 if lse_only else 1)
+        grads, ds, _ = _call(method, kw, local[:3], local[3], lu, sinks, True, None, {}, lse_only)
+        got = [seqpar.unshard(g, method=method, **kw) for g in grads] + [ds]
+        want = _reference(glob[:3], w, u, sinks, True, None, None)
+        base = _reference(glob[:3], w, u, sinks, True, None, None, torch.bfloat16)
+        keep = [name != "dv" or not lse_only for name in NAMES]  # dv of a loss of the lse alone is 0
+        res[lse_only] = [(name, rel_err(g, r), rel_err(c, r))
+                         for name, g, r, c, k in zip(NAMES, got, want, base, keep) if k]
+    return res
+
+
+@pytest.mark.parametrize("method", ["zigzag_ring", "token_ring", "ulysses"])
+def test_bf16(method):
+    for rank, res in enumerate(run_distributed(_bf16, 2, method, timeout=TIMEOUT)):
+        for lse_only, errs in res.items():
+            # bf16 (STYLE.md §12): at most 2x as far from float64 as the reference computed in bf16 on
+            # one device, plus dist_utils' floor
+            for name, e, b in errs:
+                assert e <= BF16_FACTOR * b + BF16_FLOOR, f"rank {rank} lse alone={lse_only} {name}: {e:.2e} vs bf16 {b:.2e}"
 
 
 def _dropin():
