@@ -121,3 +121,17 @@ class AdaptiveRunner:
         squares = 0.0 if work.empty else squared_lengths(cu) / work.group_plan.size
         total, squares = sum_over_ranks([local, squares], rt, "loss all-reduce")
         return total / count, squares
+
+    def forward_sums(self, plan, seq_lens: list[int], sequence: Callable[[int], tuple[torch.Tensor, list[int]]],
+                     rt, *, autocast) -> tuple[float, float]:
+        """Forward only (the caller holds ``torch.no_grad()``): this rank's summed token loss and
+        number of valid labels of a batch under ``plan`` (0, 0 on a rank whose group has no sequence;
+        it still runs its pass). Local: the caller sums over the world."""
+        from seqpar.schedulers.execute import rank_work
+
+        work = rank_work(plan, seq_lens, self.rank, self.groups)
+        shard, _ = self._inputs(work, sequence, rt.device)
+        loss = token_loss(self.model, shard, autocast, self.loss_chunk)
+        if work.empty:
+            return 0.0, 0.0
+        return float(loss.double()), float(shard.num_valid)

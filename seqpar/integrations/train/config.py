@@ -65,6 +65,9 @@ class TrainConfig:
     loss_scale_init: float | None = None  # --dtype float16: the first loss scale (None = torch's 2**16)
     loss_scale_growth_interval: int | None = None  # clean steps before the scale doubles (None = 2000)
     loss_scale_min: float | None = None  # the run stops when the scale falls below it (None = 1.0)
+    eval_data: str | None = None  # held-out documents (same formats as --data); None = no evaluation
+    eval_every: int | None = None  # steps between evaluations (None or 0 = only after the last step)
+    eval_batches: int | None = None  # sequences evaluated (None = 32, capped at what the data holds)
 
     @property
     def data_dir(self) -> str:
@@ -123,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--weight-decay", type=float, default=0.0)
     a("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
     a("--seed", type=int, default=0, help="weights and data order")
+    a("--eval-data", metavar="PATH", help="held-out documents (the formats of --data, packed the same way): "
+      "evaluate the loss on the same sequences after every --eval-every steps and at the end")
+    a("--eval-every", type=int, metavar="N", help="with --eval-data: evaluate every N steps (default 0: only "
+      "after the last step)")
+    a("--eval-batches", type=int, metavar="K", help="with --eval-data: sequences of --seq-len tokens evaluated "
+      "(default 32, or all the data holds if fewer; the same ones at every evaluation, world size and cp)")
     a("--save", metavar="DIR", help="checkpoint folder (DCP; resumable with another --context-parallel)")
     a("--save-every", type=int, default=0, metavar="N", help="also save every N steps (default: only at the end)")
     a("--resume", nargs="?", const="", metavar="PATH", help="resume from PATH, or without a value from "
@@ -157,7 +166,8 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         json=ns.json, log_every=ns.log_every, progress=not ns.no_progress, timeout=ns.timeout,
         crash_at_step=ns.crash_at_step, model=ns.model, trust_pickle=ns.trust_pickle, export_hf=ns.export_hf,
         compile=ns.compile, loss_chunk=ns.loss_chunk, replicas=ns.replicas, loss_scale_init=ns.loss_scale_init,
-        loss_scale_growth_interval=ns.loss_scale_growth_interval, loss_scale_min=ns.loss_scale_min)
+        loss_scale_growth_interval=ns.loss_scale_growth_interval, loss_scale_min=ns.loss_scale_min,
+        eval_data=ns.eval_data, eval_every=ns.eval_every, eval_batches=ns.eval_batches)
 
 
 # ----------------------------------------------------------------------------- model config
@@ -258,6 +268,7 @@ def validate(cfg: TrainConfig, world: int):
         raise ValueError(f"--loss-chunk: expected tokens per chunk >= 1, or 0 for the unchunked loss; got "
                          f"{cfg.loss_chunk}")
     _validate_loss_scale(cfg)
+    _validate_eval(cfg)
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads: expected a positive integer, got {cfg.threads}")
     cp = cfg.context_parallel
@@ -289,7 +300,20 @@ def validate(cfg: TrainConfig, world: int):
         if not out.resolve().parent.is_dir():
             raise ValueError(f"--export-hf: the parent folder of {out} does not exist; create it first")
     folder = model_folder(cfg)
+    open_eval_data(cfg, folder)  # a bad --eval-data fails here, once
     return open_data(cfg, folder)
+
+
+def _validate_eval(cfg: TrainConfig) -> None:
+    for flag, value in (("--eval-every", cfg.eval_every), ("--eval-batches", cfg.eval_batches)):
+        if value is not None and cfg.eval_data is None:
+            raise ValueError(f"{flag}: evaluation needs held-out data; add --eval-data PATH (or drop {flag})")
+    if cfg.eval_every is not None and cfg.eval_every < 0:
+        raise ValueError(f"--eval-every: expected a number of steps >= 0 (0 = only after the last step), got "
+                         f"{cfg.eval_every}")
+    if cfg.eval_batches is not None and cfg.eval_batches < 1:
+        raise ValueError(f"--eval-batches: expected a positive number of sequences (default 32), got "
+                         f"{cfg.eval_batches}")
 
 
 def _validate_loss_scale(cfg: TrainConfig) -> None:
@@ -351,3 +375,39 @@ def open_data(cfg: TrainConfig, folder):
         raise ValueError(f"--data: {cfg.data_dir} holds {files.num_tokens} tokens, fewer than one sequence of "
                          f"--seq-len {cfg.seq_len}; add text or lower --seq-len")
     return PackedSequences(files, cfg.seq_len, cfg.seed)
+
+
+# ----------------------------------------------------------------------------- evaluation data (--eval-data)
+
+EVAL_SEED = 0  # the evaluation set's shuffle: fixed, so runs with different --seed see the same sequences
+DEFAULT_EVAL_BATCHES = 32
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """The sequences evaluated: ``data.sequence(i)`` for ``i < count`` (``requested``: ``--eval-batches``)."""
+
+    data: object  # PackedSequences (bytes) or PackedTokenSequences (--model's tokenizer)
+    count: int
+    requested: int
+
+
+def open_eval_data(cfg, folder) -> EvalSet | None:
+    """The evaluation set of ``cfg`` (None without ``--eval-data``); ValueError naming ``--eval-data``
+    when it is missing, empty, or holds less than one ``--seq-len`` sequence."""
+    if cfg.eval_data is None:
+        return None
+    requested = DEFAULT_EVAL_BATCHES if cfg.eval_batches is None else cfg.eval_batches
+    pattern = cfg.data_glob or "*"
+    if folder is not None:
+        from .tokens import open_token_data
+
+        data = open_token_data(cfg.eval_data, folder.tokenizer, cfg.seq_len, EVAL_SEED, pattern=pattern,
+                               argument="--eval-data")
+    else:
+        files = TextFiles.scan(cfg.eval_data, pattern, argument="--eval-data")
+        if files.num_tokens < cfg.seq_len:
+            raise ValueError(f"--eval-data: {cfg.eval_data} holds {files.num_tokens} tokens, fewer than one "
+                             f"sequence of --seq-len {cfg.seq_len}; add text or lower --seq-len")
+        data = PackedSequences(files, cfg.seq_len, EVAL_SEED)
+    return EvalSet(data, min(requested, data.per_epoch), requested)

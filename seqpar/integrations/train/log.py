@@ -73,6 +73,15 @@ class TrainLog:
                       + (f" | loss scale {rec['loss_scale']:g}" if "loss_scale" in rec else "")
                       + (" (overflow: step skipped)" if rec.get("skipped") else ""))
 
+    def evaluation(self, rec: dict) -> None:
+        """An evaluation's record and line (:func:`.evaluate.evaluate`)."""
+        if not self.active:
+            return
+        self.event(rec)
+        self.info(f"eval {rec['step']:>5}/{self.cfg.steps} | eval loss {rec['eval_loss']:.4f} | ppl "
+                  f"{rec['eval_ppl']:,.2f} | {rec['eval_sequences']} sequences, {rec['eval_tokens']:,} tokens | "
+                  f"{rec['eval_s']:.1f} s")
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -94,13 +103,15 @@ def summary(log: TrainLog, result, extra: dict | None = None) -> None:
              f"{median:,.0f} tok/s median ({tps:,.0f} mean) after step 1, {per_cpu_s:,.0f} tokens per CPU-second "
              f"(all ranks), peak mem {max(r['peak_mem_mib'] for r in ran):,.0f} MiB per rank"
              + (f", {extra['skipped_steps']} of {len(ran)} step(s) skipped for inf/NaN gradients (loss scale now "
-                f"{extra['loss_scale']:g})" if extra and "skipped_steps" in extra else ""))
+                f"{extra['loss_scale']:g})" if extra and "skipped_steps" in extra else "")
+             + (f", eval loss {extra['final_eval_loss']:.4f}" if extra and "final_eval_loss" in extra else ""))
     log.event({"event": "end", "tokens_per_s": tps, "tokens_per_s_median": median,
                "tokens_per_cpu_s": per_cpu_s, "final_loss": ran[-1]["loss"], "checkpoint": result.checkpoint,
                **(extra or {})})
 
 
-def plot_losses(history: list[dict], path: str) -> None:
+def plot_losses(history: list[dict], path: str, evals: list[dict] | None = None) -> None:
+    """The training loss per step, and the evaluations' losses (``evals``) as points over it."""
     try:
         import matplotlib
 
@@ -110,7 +121,11 @@ def plot_losses(history: list[dict], path: str) -> None:
         print("seqpar train: --plot needs matplotlib (pip install 'seqpar[bench]'); no plot written", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in history], [r["loss"] for r in history], marker="." if len(history) < 60 else None)
+    ax.plot([r["step"] for r in history], [r["loss"] for r in history], marker="." if len(history) < 60 else None,
+            label="train")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", label="eval (held-out)")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title("seqpar train")

@@ -104,6 +104,7 @@ class Documents:
     tokenizer: object
     fingerprint: str
     text_field: str = "text"
+    argument: str = "--data"  # the flag named in errors (--data, --eval-data)
     _tables: dict = field(default_factory=dict, repr=False)
     _recent: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
@@ -139,7 +140,7 @@ class Documents:
         for p in files:
             h.update(f"{p.relative_to(root) if root.is_dir() else p.name}\0{p.stat().st_size}\n".encode())
         h.update(_tokenizer_fingerprint(tokenizer).encode())
-        docs = cls(str(root), refs, [], tokenizer, h.hexdigest()[:16], text_field, opened)
+        docs = cls(str(root), refs, [], tokenizer, h.hexdigest()[:16], text_field, argument, opened)
         docs.lengths = docs._count(cache_dir)
         keep = [i for i, n in enumerate(docs.lengths) if n > docs._specials]
         docs.refs, docs.lengths = [docs.refs[i] for i in keep], [docs.lengths[i] for i in keep]
@@ -156,8 +157,9 @@ class Documents:
     def num_tokens(self) -> int:
         return sum(self.lengths)
 
-    def text(self, doc: int, *, argument: str = "--data") -> str:
-        """Document ``doc``'s text."""
+    def text(self, doc: int, *, argument: str | None = None) -> str:
+        """Document ``doc``'s text (errors name ``argument``, default the flag the documents came from)."""
+        argument = argument or self.argument
         ref = self.refs[doc]
         if ref.kind == "table":
             return self._tables[ref.path][ref.at][self.text_field] or ""
@@ -211,7 +213,7 @@ class Documents:
         if tokens is None:
             tokens = self._tokens([self.text(doc)])[0]
             if len(tokens) != self.lengths[doc]:
-                raise ValueError(f"--data: document {doc} ({self.refs[doc].path}) changed while training "
+                raise ValueError(f"{self.argument}: document {doc} ({self.refs[doc].path}) changed while training "
                                  f"({len(tokens)} tokens, counted {self.lengths[doc]})")
             self._recent[doc] = tokens
             while sum(len(t) for t in self._recent.values()) > _KEEP_TOKENS and len(self._recent) > 1:

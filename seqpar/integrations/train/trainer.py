@@ -34,7 +34,9 @@ from ...comm.launch import launched_by_torchrun, launched_process_group, usable_
 from ...comm.pool import WorkerPool
 from .build import Runtime, build_model, local_bytes, max_over_ranks, model_config, optimizer_bytes, setup_runtime
 from .ckpt import has_scaler, load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
-from .config import TrainConfig, global_batch, model_folder, open_data, parse_args, validate, world_size_of
+from .config import (TrainConfig, global_batch, model_folder, open_data, open_eval_data, parse_args, validate,
+                     world_size_of)
+from .evaluate import describe, eval_due, evaluate
 from .flops import attention_shape, peak_flops, step_flops
 from .log import TrainLog, plot_losses, summary
 from .step import (LossScaleError, check_loss_scale, lr_at, make_scaler, maybe_crash, optimizer_step,
@@ -44,9 +46,11 @@ from .step import (LossScaleError, check_loss_scale, lr_at, make_scaler, maybe_c
 @dataclass
 class TrainResult:
     """What rank 0 returns: one record per step (restored ones included), the last checkpoint.
-    ``packed``: documents were packed with their boundaries kept (always, for every softmax method)."""
+    ``packed``: documents were packed with their boundaries kept (always, for every softmax method).
+    ``evals``: one record per evaluation (``--eval-data``; restored ones included)."""
 
     history: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
     checkpoint: str | None = None
     start_step: int = 0
     packed: bool = True
@@ -96,7 +100,7 @@ def run(cfg: TrainConfig) -> TrainResult | None:
         finally:
             torch.set_num_threads(previous)
     if result is not None and cfg.plot:
-        plot_losses(result.history, cfg.plot)
+        plot_losses(result.history, cfg.plot, result.evals)
     return result
 
 
@@ -120,6 +124,7 @@ class _Run:
     result: TrainResult
     log: TrainLog
     runner: object = None  # the AdaptiveRunner of --adaptive
+    evalset: object = None  # the EvalSet of --eval-data (None: no evaluation)
     scaler: object = None  # --dtype float16's loss scaler (None otherwise)
     step_scale: float | None = None  # the scale of the running step's loss (fp16)
     skipped: bool = False  # whether the running step's update was skipped (fp16: inf/NaN gradients)
@@ -144,6 +149,7 @@ def _resume(cfg: TrainConfig, run: "_Run") -> None:
             if resume_from is not None else None)
     if meta is not None:
         run.result.start_step, run.result.history = meta["step"], list(meta.get("history", []))
+        run.result.evals = list(meta.get("evals", []))
     run.log = TrainLog(cfg, run.rt.rank == 0, run.result.start_step, resume_from is not None)
     if meta is not None:
         changed = [k for k, v in run.settings.items() if meta.get("settings", {}).get(k) != v and k != "data_root"]
@@ -179,7 +185,7 @@ def _start(cfg: TrainConfig) -> _Run:
     run = _Run(cfg, rt, data, model, folder, params, optimizer, batch, settings, model_fingerprint(model),
                TrainResult(), None, runner, num_params=sum(p.numel() for p in params),
                shape=attention_shape(model.config), peak=peak_flops(rt.device, cfg.dtype),
-               scaler=make_scaler(cfg, rt))
+               scaler=make_scaler(cfg, rt), evalset=open_eval_data(cfg, folder))
     _resume(cfg, run)
     param_bytes = int(max_over_ranks(local_bytes(params), rt, "parameter bytes all-reduce"))  # bytes: an int
     mode = "adaptive" if cfg.adaptive else f"cp={cfg.context_parallel} ({cfg.cp_method}) x dp={rt.dp}"
@@ -191,6 +197,8 @@ def _start(cfg: TrainConfig) -> _Run:
                  f"{run.num_params:,} parameters ({source}; {param_bytes / 2**20:,.1f} MiB on the largest rank); "
                  f"{batch} x {cfg.seq_len} tokens per step; data {data.files.root} ({len(data.lengths)} documents, "
                  f"{data.per_epoch} sequences per epoch, its last {data.unused} tokens unused)")
+    if run.evalset is not None:
+        run.log.info(describe(cfg, run.evalset))
     run.log.event({"event": "start", "config": cfg.to_dict(), "world": rt.world, "packed": True,
                    "start_step": run.result.start_step, "params": run.num_params, "param_bytes_local": param_bytes})
     return run
@@ -240,6 +248,7 @@ def _maybe_save(run: _Run, step: int) -> None:
     cfg = run.cfg
     if cfg.save and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
         meta = {"step": step, "model": run.fingerprint, "settings": run.settings, "history": run.result.history,
+                "evals": run.result.evals,
                 "run": {"world": run.rt.world, "context_parallel": cfg.context_parallel,
                         "cp_method": cfg.cp_method, "adaptive": cfg.adaptive, "lr": cfg.lr,
                         "steps": cfg.steps, "dtype": cfg.dtype, "model": cfg.model}}
@@ -279,6 +288,8 @@ def _finish(run: _Run) -> None:
                   tokenizer=run.folder.tokenizer if run.folder is not None else None)
         run.log.info(f"exported {cfg.export_hf}")
     extra = {"optim_bytes_local": optim, "export_hf": cfg.export_hf}
+    if run.evalset is not None and run.result.evals:
+        extra["final_eval_loss"] = run.result.evals[-1]["eval_loss"]
     if run.scaler is not None:  # fp16: this run's skipped steps and the scale its next step would use
         extra["skipped_steps"] = sum(bool(r.get("skipped")) for r in run.result.history
                                      if r["step"] > run.result.start_step)
@@ -297,6 +308,10 @@ def _rank_main(cfg: TrainConfig) -> TrainResult | None:
             run.result.history.append(rec)
             run.log.step(rec)
             check_loss_scale(cfg, run.scaler, step, run.result.history)  # after the step's record is written
+            if eval_due(cfg, step):  # before the save: a checkpoint holds the evaluations up to its step
+                done = evaluate(cfg, run.rt, run.model, run.evalset, step, autocast, run.runner, run.batch)
+                run.result.evals.append(done)
+                run.log.evaluation(done)
             _maybe_save(run, step)
         _finish(run)
     finally:
