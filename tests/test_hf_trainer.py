@@ -71,7 +71,11 @@ CONFIGS = {
     # gradient_checkpointing: the Trainer's own per-layer checkpointing around seqpar's attention
     "cp2_gc": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, gc={"use_reentrant": False})),
     "cp2_gc_reentrant": (2, dict(cp=2, method="ulysses", batch=3, ga=1, gc={"use_reentrant": True}, slow=True)),
-    "cp2_dp2_fsdp2_gc": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, fsdp=True, gc={"use_reentrant": False})),
+    # under FSDP2 with the Trainer's kwargs: every_n_layers=2 checkpoints layer 0 of the 2
+    "cp2_dp2_fsdp2_gc": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, fsdp=True,
+                                 gc={"use_reentrant": False, "every_n_layers": 2})),
+    "cp2_dp2_fsdp2_gc_reentrant": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=1, fsdp=True,
+                                           gc={"use_reentrant": True}, slow=True)),
     # bf16: autocast (DDP), FSDP2's bf16 parameters (FSDP2) against the plain Trainer's autocast
     "cp2_bf16": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, bf16=True)),
     "cp2_dp2_fsdp2_bf16": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=1, fsdp=True, bf16=True)),
@@ -231,7 +235,7 @@ def _count_attention_forwards(model) -> list:
     count = [0, set()]
 
     def hook(module, args, output):
-        if module.training and torch.is_grad_enabled():
+        if module.training:  # also reentrant checkpointing's first forward, which runs without grad
             count[0] += 1
             count[1].add(str(output[0].dtype))
 
@@ -359,7 +363,8 @@ def _compare(folder: Path, tmp: Path, out: Path, name: str, results: dict) -> tu
     assert extras["tokens"] == want["tokens"], (name, extras, want)  # num_input_tokens_seen: the global batches
     if want["attention_forwards"] is not None:  # 2 layers, ga micro-batches a step; checkpointing runs them twice
         opts = CONFIGS[name][1]
-        expected = 2 * opts["ga"] * STEPS * (2 if opts.get("gc") else 1)
+        every = (opts.get("gc") or {}).get("every_n_layers", 1)
+        expected = opts["ga"] * STEPS * (2 + (len(range(0, 2, every)) if opts.get("gc") else 0))
         assert extras["attention_forwards"] == want["attention_forwards"] == expected, (name, extras, want)
         dtype = "torch.bfloat16" if opts.get("bf16") else "torch.float32"  # bf16=True computes in bf16
         assert extras["attention_dtypes"] == want["attention_dtypes"] == [dtype], (name, extras, want)
@@ -538,6 +543,10 @@ def test_one_process_equals_trainer_and_bad_arguments(folder, tmp_path):
                              (dict(context_parallel_size=2), "does not divide the world of 1")]:
         with pytest.raises(ValueError, match=expected):
             ContextParallelTrainer(model=ours.model, args=args, **kwargs)
+    both = TrainingArguments(output_dir=str(tmp_path / "y"), use_cpu=True, report_to=[], fsdp=True,
+                             fsdp_config={"version": 2, "activation_checkpointing": True}, activation_checkpointing=True)
+    with pytest.raises(ValueError, match=r"activation_checkpointing: set both ways \(fsdp_config"):
+        ContextParallelTrainer(model=ours.model, args=both)
 
 
 if __name__ == "__main__":

@@ -138,7 +138,8 @@ class ContextParallelTrainer(Trainer):
     updates and the logged ``loss`` equal a single-process ``Trainer`` whose batch is ``dp`` times
     larger (the global token mean); DDP (the default) and FSDP2 (``fsdp=True``,
     ``fsdp_config={"version": 2}``; ``bf16=True`` is its mixed precision) both work, with gradient
-    accumulation and ``torch_compile=True``; ``save_model`` writes the full model.
+    accumulation, ``torch_compile=True``, ``gradient_checkpointing`` and ``bf16``; ``save_model`` writes the
+    full model; checkpoints (``save_strategy``) are atomic and resumable (:mod:`.checkpoints`).
     ``evaluate()`` gives the loss (as the plain Trainer weighs it); ``predict()`` and
     ``compute_metrics`` need gathered logits and are refused when ``context_parallel_size > 1``.
     """
