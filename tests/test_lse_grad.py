@@ -168,8 +168,13 @@ def test_three_ranks_every_method(method):
     _check(run_distributed(_batch, 3, method, CASES, timeout=TIMEOUT))
 
 
+def test_usp_on_both_axes():
+    """N=4 as 2 (Ulysses) x 2 (zigzag ring): dlse to head shards, then through the ring's bundles."""
+    _check(run_distributed(_batch, 4, "usp", CASES, timeout=TIMEOUT))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ulysses", "usp", "allgather_kv"])
+@pytest.mark.parametrize("method", ["ulysses", "allgather_kv"])
 def test_four_ranks(method):
     _check(run_distributed(_batch, 4, method, CASES, timeout=TIMEOUT))
 
