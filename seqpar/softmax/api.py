@@ -171,9 +171,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
             block's, else none; :mod:`seqpar.tracing`).
         return_lse: also return ``lse [B, Hq, T_local]`` fp32 (float64 for float64), rows as out's: the log
             of each row's softmax denominator (scaled scores, sinks included; -inf for packed padding);
-            differentiable (to merge with other attention results, cascades); ulysses/usp send one more
-            fp32 all-to-all for it, and one more in backward when it has a gradient (then on every
-            rank of the Ulysses axis, or on none: :mod:`seqpar.softmax.lse`).
+            differentiable (merges with other attention results); ulysses/usp send one more fp32 all-to-all
+            for it, one more in backward if it has a gradient (on all ranks or none: :mod:`seqpar.softmax.lse`).
 
     Raises ``ValueError`` naming the argument, on every rank and before any communication, for bad
     shapes, dtypes, method, backend, window or lengths. Raises :class:`seqpar.PeerError` when a peer rank
