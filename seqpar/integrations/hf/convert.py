@@ -34,7 +34,7 @@ import torch
 from ...comm import group_info
 from ...methods import method as declared
 from ...softmax import attention
-from . import cache_hooks
+from . import cache_hooks, rope
 
 __all__ = ["apply_context_parallel"]
 
@@ -259,6 +259,8 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
     unknown method or option, and for a group of the wrong type. On the meta device, a model whose
     test forward cannot run there (gpt-oss' grouped-matmul experts) is checked later: call
     :func:`verify_context_parallel` once its weights are filled (its attention raises until then).
+    A RoPE whose frequencies depend on the sequence length ("dynamic", "longrope") is updated from
+    the whole input's largest position before each forward (:mod:`.rope`), as one process would.
     """
     if not hasattr(model, "config") or not isinstance(model, torch.nn.Module):
         raise ValueError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
@@ -284,6 +286,8 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
             model.seqpar_unverified = (name, attention_modules)
         _set_implementation(model, name if checked else _UNVERIFIED_NAME)
         cache_hooks.install(model, layers_name, group, method, options)  # generate() on a ShardedCache
+        base_name = layers_name.rpartition(".")[0]
+        rope.install(model, model.get_submodule(base_name) if base_name else model, group)  # "dynamic", "longrope"
     except Exception:
         if previous is not None and getattr(model.config, "_attn_implementation", None) != previous:
             _set_implementation(model, previous)
