@@ -8,7 +8,7 @@ single-process reference built from plain torch (``reference_attention``'s softm
 ``reference_lse``'s logsumexp, differentiated by autograd). Cases: dense causal GQA; dense
 non-causal with a window, sinks and MLA head dims (MQA); packed causal documents with sinks, whose
 padding rows (lse ``-inf``) get a nonzero ``u`` (no NaN, no gradient from them); the lse alone
-with sinks. The bytes sent equal those of the same call differentiated through out alone, but for
+with sinks; the stream layout (documents across ranks). The bytes sent equal those of the same call differentiated through out alone, but for
 Ulysses' and USP's one all-to-all of ``dlse`` (exactly its size). Then: the lse in one rank's
 loss only; bf16 inputs; seqpar.checkpoint and torch.compile (aot_eager, fullgraph) against the
 plain call; the ring-flash-attention drop-in's lse.
@@ -39,6 +39,9 @@ CASES = ((True, None, None, (4, 2, 8, 8), False, False),
          (False, 7, None, (4, 1, 8, 6), True, False),
          (True, None, (5, 11, 8), (4, 2, 8, 8), True, False),
          (True, None, None, (4, 2, 8, 8), True, True))
+# the stream layout (method="ring"): documents cross rank boundaries; a window and sinks, and the lse alone
+STREAM_CASES = ((True, 5, ("stream", 3, 13, 8), (4, 2, 8, 8), True, False),
+                (True, None, ("stream", 7, 10, 7), (4, 2, 8, 8), False, True))
 
 
 def _options(method: str, n: int) -> dict:
@@ -99,8 +102,11 @@ def _case(method, kw, index, case, first_only=False):
     gen = torch.Generator().manual_seed(17 * n + index)
     b, t, cu, extra = 2, 24, None, {}
     if lens is not None:
-        cu, b = [0, *itertools.accumulate(lens)], 1
+        stream = lens[0] == "stream"
+        cu, b = [0, *itertools.accumulate(lens[stream:])], 1
         t, extra = cu[-1], {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+        if stream:
+            extra["cu_seqlens"] = seqpar.packed_layout(cu, method=method, split="stream")
     glob = [torch.randn(b, t, h, x, generator=gen) for h, x in ((hq, d), (hkv, d), (hkv, dv))]
     w, u = torch.randn(b, t, hq, dv, generator=gen), torch.randn(b, hq, t, generator=gen)
     sinks = (torch.randn(hq, generator=gen) * 2) if with_sinks else None  # logits of the scores' order
@@ -166,6 +172,11 @@ def test_lse_in_one_rank_loss(method):
 @pytest.mark.parametrize("method", [m for m in METHODS if m not in ("zigzag_ring", "token_ring", "usp")])
 def test_three_ranks_every_method(method):
     _check(run_distributed(_batch, 3, method, CASES, timeout=TIMEOUT))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_stream_layout(n):
+    _check(run_distributed(_batch, n, "ring", STREAM_CASES, timeout=TIMEOUT), STREAM_CASES)
 
 
 def test_usp_on_both_axes():
