@@ -82,6 +82,8 @@ CONFIGS = {
     # checkpoints: 4 steps straight (dying while saving the last) against 2 + resumed 2
     "cp2_resume": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, resume=True)),
     "cp2_dp2_fsdp2_resume": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, fsdp=True, resume=True)),
+    # load_best_model_at_end under FSDP2: the best checkpoint's shards come back into the sharded model
+    "cp2_dp2_fsdp2_best": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=1, fsdp=True, best=True)),
 }
 # name -> (world, trainer options, text every rank's error must contain)
 BAD = {
@@ -173,6 +175,9 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
         extra.update(gradient_checkpointing=True, gradient_checkpointing_kwargs=opts["gc"])
     if opts.get("bf16"):
         extra.update(bf16=True)
+    if opts.get("best"):  # the higher eval loss is "best": step 1's checkpoint, reloaded at the end
+        extra.update(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                     load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
     if opts.get("resume"):  # AdamW and a decaying schedule: moments, step counts and the lr must be restored
         extra.update(max_steps=2 * STEPS, save_strategy="steps", save_steps=STEPS, optim="adamw_torch",
                      learning_rate=1e-2, lr_scheduler_type="linear", weight_decay=0.1)
@@ -188,7 +193,8 @@ def _train(folder: str, out: str, opts: dict, world: int, cp_trainer: bool):
     if opts.get("iterable"):
         data = Stream(data)
     kwargs = dict(model=model, args=args, train_dataset=data, data_collator=collator,
-                  processing_class=tokenizer, eval_dataset=_documents(tokenizer)[:11] if opts.get("eval") else None,
+                  processing_class=tokenizer,
+                  eval_dataset=_documents(tokenizer)[:11] if opts.get("eval") or opts.get("best") else None,
                   compute_metrics=(lambda p: {}) if opts.get("eval") == "metrics" else None)
     if cp_trainer:
         from seqpar.integrations.hf_trainer import ContextParallelTrainer
@@ -276,7 +282,8 @@ def _main(out_dir: str, folder: str, names: list[str]) -> None:
             else:
                 losses, trainer = _train(folder, out, opts, world, cp_trainer=True)
                 trainer.save_model(out)
-                record = {"losses": losses, "launcher_precision": os.environ.get("ACCELERATE_MIXED_PRECISION")}
+                record = {"losses": losses, "launcher_precision": os.environ.get("ACCELERATE_MIXED_PRECISION"),
+                          "best": trainer.state.best_model_checkpoint}
             if opts.get("compile"):  # Dynamo compiled graphs (a fall back to eager would compile none)
                 from torch._dynamo.utils import counters
 
@@ -306,7 +313,8 @@ def _names(world: int) -> list[str]:
 
 def _params(world: int) -> list:
     return [pytest.param(n, marks=[pytest.mark.slow] if o.get("slow") else [])
-            for n, (w, o) in CONFIGS.items() if w == world and not o.get("wrong_scale") and not o.get("resume")]
+            for n, (w, o) in CONFIGS.items()
+            if w == world and not (o.get("wrong_scale") or o.get("resume") or o.get("best"))]
 
 
 def _launch(world: int, names: list[str], out: Path, folder: Path, timeout: float = 420,
@@ -416,6 +424,18 @@ def _assert_resumed(out: Path, name: str, results: dict) -> None:
     print(f"{name}: steps 3-4 losses {record['resumed'][2:4]} equal the straight run's; final weights equal")
 
 
+def _assert_best_loaded(out: Path, name: str, results: dict) -> None:
+    """load_best_model_at_end: the model after training is checkpoint-1's, bit for bit (not step 2's)."""
+    from safetensors.torch import load_file
+
+    records = results[name]
+    assert all("error" not in r for r in records), records
+    assert all(r["best"] == str(out / name / "checkpoint-1") for r in records), records
+    final = load_file(str(out / name / "model.safetensors"))
+    best, last = (load_file(str(out / name / f"checkpoint-{k}" / "model.safetensors")) for k in (1, 2))
+    assert all(torch.equal(final[k], best[k]) for k in final) and not all(torch.equal(final[k], last[k]) for k in final)
+
+
 @pytest.fixture(scope="module")
 def world2(folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("world2")
@@ -459,6 +479,8 @@ def test_world4_cp2_dp2_ddp_fsdp2_and_a_bad_group(folder, tmp_path_factory, tmp_
     for name in (n for n in names if n in CONFIGS):
         if CONFIGS[name][1].get("resume"):
             _assert_resumed(out, name, results)
+        elif CONFIGS[name][1].get("best"):
+            _assert_best_loaded(out, name, results)
         else:
             _assert_equal(folder, tmp_path, out, name, results)
 
@@ -544,9 +566,15 @@ def test_one_process_equals_trainer_and_bad_arguments(folder, tmp_path):
         with pytest.raises(ValueError, match=expected):
             ContextParallelTrainer(model=ours.model, args=args, **kwargs)
     both = TrainingArguments(output_dir=str(tmp_path / "y"), use_cpu=True, report_to=[], fsdp=True,
-                             fsdp_config={"version": 2, "activation_checkpointing": True}, activation_checkpointing=True)
+                             fsdp_config={"version": 2, "activation_checkpointing": True},
+                             activation_checkpointing=True)
     with pytest.raises(ValueError, match=r"activation_checkpointing: set both ways \(fsdp_config"):
         ContextParallelTrainer(model=ours.model, args=both)
+    no_shards = TrainingArguments(output_dir=str(tmp_path / "z"), use_cpu=True, report_to=[], fsdp=True,
+                                  fsdp_config={"version": 2}, eval_strategy="steps", save_strategy="steps",
+                                  load_best_model_at_end=True, save_only_model=True)
+    with pytest.raises(ValueError, match="load_best_model_at_end: under FSDP2 .* set save_only_model=False"):
+        ContextParallelTrainer(model=ours.model, args=no_shards)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,9 @@ def _check_training_arguments(args: TrainingArguments, cp: int) -> None:
         "activation_checkpointing": fsdp_version == 2 and args.activation_checkpointing and
         (args.fsdp_config or {}).get("activation_checkpointing") and
         "set both ways (fsdp_config['activation_checkpointing'] too); keep one",
+        "load_best_model_at_end": fsdp_version == 2 and args.load_best_model_at_end and args.save_only_model and
+        "under FSDP2 the best model is loaded from its checkpoint's shards, which save_only_model=True leaves out; "
+        "set save_only_model=False",
         "deepspeed": args.deepspeed is not None and "DeepSpeed is not supported; use fsdp with version 2",
         "parallelism_config": args.parallelism_config is not None and
         "accelerate's parallelism_config would apply its own context or sequence parallelism; leave it unset",
@@ -258,6 +261,11 @@ class ContextParallelTrainer(Trainer):
         if not self.fsdp_options:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_sharded(resume_from_checkpoint, self.model)
+
+    def _load_best_model(self):
+        if not self.fsdp_options:
+            return super()._load_best_model()
+        load_sharded(self.state.best_model_checkpoint, self.model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if not self.fsdp_options or checkpoint is None:
