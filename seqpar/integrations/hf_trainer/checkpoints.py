@@ -4,12 +4,12 @@ atomically, with the FSDP2-sharded model and optimizer state in torch.distribute
 A checkpoint is the plain Trainer's folder ``OUTPUT/checkpoint-N`` (the full model that
 ``from_pretrained`` loads, the scheduler, every rank's RNG state, ``trainer_state.json``; under DDP the
 optimizer's ``optimizer.pt``), plus under FSDP2 ``fsdp2_state/``: the DCP files of the model's and the
-optimizer's shards (every rank writes its own; DTensors with their global offsets, so they load at
-any world size and context-parallel degree). It is written to ``OUTPUT/.tmp-checkpoint-N`` and renamed
-to ``checkpoint-N`` only once every rank has finished and the files are synced: a run that dies while
-saving leaves its last complete checkpoint the newest ``checkpoint-*`` (what
-``transformers.trainer_utils.get_last_checkpoint`` and ``resume_from_checkpoint=True`` take), and the
-half-written folder, which no ``checkpoint-*`` pattern matches, is cleared by the next save of that step.
+optimizer's shards (every rank writes its own: DTensors with their global offsets; a shared file
+system). It is written to ``OUTPUT/.tmp-checkpoint-N`` and renamed to ``checkpoint-N`` only once every
+rank has finished and the files are synced: a run that dies while saving leaves its last complete
+checkpoint the newest ``checkpoint-*`` (what ``transformers.trainer_utils.get_last_checkpoint`` and
+``resume_from_checkpoint=True`` take), and the half-written folder, which no ``checkpoint-*`` pattern
+matches, is cleared by the next save of that step.
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ class ContextParallelTrainer(Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """Under FSDP2 the model's shards come from the checkpoint's DCP files (any world size)."""
+        """Under FSDP2 the model's shards come from the checkpoint's DCP files."""
         if not self.fsdp_options:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_sharded(resume_from_checkpoint, self.model)
