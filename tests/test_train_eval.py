@@ -172,7 +172,8 @@ def test_records_lines_end_record_and_plot(folders, runs, capsys):
 
 def test_resume_evaluates_the_same_value(folders, runs):
     """The step-2 checkpoint resumed in one process and at cp 2: step 3's evaluation equals the
-    uninterrupted run's (bitwise in one process), and the step-2 evaluation is restored."""
+    uninterrupted run's (bitwise in one process), and the step-2 evaluation is restored; resumed with
+    another --eval-batches, it is not."""
     tmp = folders[0]
     resumed = train(_args(folders, "resumed", *_eval(folders), "--resume", tmp / "ckpt" / "step_00000002"))
     assert resumed.start_step == 2 and len(resumed.evals) == 2 and resumed.evals[0] == runs["one"][1][0]
@@ -180,6 +181,9 @@ def test_resume_evaluates_the_same_value(folders, runs):
     _, evals = run_distributed(_run, 2, _args(folders, "resumed2", *_eval(folders), "--context-parallel", 2,
                                               "--resume", tmp / "ckpt" / "step_00000002"), timeout=300)[0]
     _close(evals, runs["one"][1], RTOL)
+    # another evaluation set: the saved evaluations are not mixed in
+    other = train(_args(folders, "resumed3", *_eval(folders)[:-1], K - 1, "--resume", tmp / "ckpt" / "step_00000002"))
+    assert [(r["step"], r["eval_sequences"]) for r in other.evals] == [(3, K - 1)]
 
 
 def test_text_folder_default_flags_and_autocast(tmp_path, capsys):

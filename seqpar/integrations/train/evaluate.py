@@ -39,6 +39,16 @@ def eval_due(cfg, step: int) -> bool:
     return cfg.eval_data is not None and (step == cfg.steps or bool(cfg.eval_every) and step % cfg.eval_every == 0)
 
 
+def eval_key(cfg, evalset: EvalSet | None) -> dict | None:
+    """What identifies the evaluation set (saved with a checkpoint: a resumed run keeps the saved
+    evaluations only when its set is the same): the data's fingerprint, the sequences and their length."""
+    if evalset is None:
+        return None
+    data = evalset.data
+    fingerprint = getattr(data, "fingerprint", None) or data.files.fingerprint
+    return {"fingerprint": fingerprint, "sequences": evalset.count, "seq_len": cfg.seq_len}
+
+
 def describe(cfg, evalset: EvalSet) -> str:
     """The start line's account of the evaluation."""
     when = f"every {cfg.eval_every} steps and at the end" if cfg.eval_every else "at the end"
@@ -111,4 +121,5 @@ def evaluate(cfg, rt, model, evalset: EvalSet, step: int, autocast, runner=None,
             "eval_sequences": evalset.count, "eval_s": time.perf_counter() - t0}
 
 
-__all__ = ["DEFAULT_EVAL_BATCHES", "EVAL_SEED", "EvalSet", "describe", "eval_due", "evaluate", "open_eval_data"]
+__all__ = ["DEFAULT_EVAL_BATCHES", "EVAL_SEED", "EvalSet", "describe", "eval_due", "eval_key", "evaluate",
+           "open_eval_data"]

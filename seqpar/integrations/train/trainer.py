@@ -36,7 +36,7 @@ from .build import Runtime, build_model, local_bytes, max_over_ranks, model_conf
 from .ckpt import has_scaler, load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
 from .config import (TrainConfig, global_batch, model_folder, open_data, open_eval_data, parse_args, validate,
                      world_size_of)
-from .evaluate import describe, eval_due, evaluate
+from .evaluate import describe, eval_due, eval_key, evaluate
 from .flops import attention_shape, peak_flops, step_flops
 from .log import TrainLog, plot_losses, summary
 from .step import (LossScaleError, check_loss_scale, lr_at, make_scaler, maybe_crash, optimizer_step,
@@ -149,7 +149,8 @@ def _resume(cfg: TrainConfig, run: "_Run") -> None:
             if resume_from is not None else None)
     if meta is not None:
         run.result.start_step, run.result.history = meta["step"], list(meta.get("history", []))
-        run.result.evals = list(meta.get("evals", []))
+        same_set = meta.get("eval_set") == eval_key(cfg, run.evalset)
+        run.result.evals = list(meta.get("evals", [])) if same_set else []
     run.log = TrainLog(cfg, run.rt.rank == 0, run.result.start_step, resume_from is not None)
     if meta is not None:
         changed = [k for k, v in run.settings.items() if meta.get("settings", {}).get(k) != v and k != "data_root"]
@@ -159,6 +160,8 @@ def _resume(cfg: TrainConfig, run: "_Run") -> None:
         if changed:
             run.log.info(f"warning: {', '.join(changed)} differ from the saved run: the data order is not the one "
                          "the interrupted run would have seen")
+        if meta.get("evals") and not same_set:
+            run.log.info("the saved run's evaluations used another evaluation set (or none now): not restored")
         if run.scaler is not None and has_scaler(resume_from):  # torch's convention: the saved scale goes on
             init = cfg.loss_scale_init
             run.log.info(f"loss scale {run.scaler.get_scale():g} restored from the checkpoint"
@@ -248,7 +251,7 @@ def _maybe_save(run: _Run, step: int) -> None:
     cfg = run.cfg
     if cfg.save and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
         meta = {"step": step, "model": run.fingerprint, "settings": run.settings, "history": run.result.history,
-                "evals": run.result.evals,
+                "evals": run.result.evals, "eval_set": eval_key(cfg, run.evalset),
                 "run": {"world": run.rt.world, "context_parallel": cfg.context_parallel,
                         "cp_method": cfg.cp_method, "adaptive": cfg.adaptive, "lr": cfg.lr,
                         "steps": cfg.steps, "dtype": cfg.dtype, "model": cfg.model}}
