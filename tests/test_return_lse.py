@@ -5,7 +5,8 @@ Each case runs the call twice on the same shards, with and without ``return_lse`
 backward: ``out`` and every gradient must be bit-identical (the lse changes nothing else), the lse
 must match the float64 reference lse of the unsharded sequence sharded with ``seqpar.shard``
 (``-inf`` on packed padding rows), and the bytes sent must be equal except for Ulysses' and USP's one
-extra all-to-all of the lse (exactly its size). Cases: dense causal GQA, dense non-causal with a
+extra all-to-all of the lse (exactly its size) and the one of its gradient in backward (sent by every
+member whenever ``return_lse=True``, zeros here: the lse is not in the loss). Cases: dense causal GQA, dense non-causal with a
 window, sinks and MLA head dims (MQA), packed causal documents with sinks; the stream layout; the
 compiled call; the ring-flash-attention drop-in's ``return_attn_probs`` (one forward, not two).
 """
@@ -79,14 +80,15 @@ def _expected_lse(method, kw, glob, sinks, causal, window, cu, extra):
     return torch.where(real > 0, rows, -torch.inf)
 
 
-def _lse_bytes(method, kw, hq, b, t_local) -> int:
-    """Bytes of the lse's all-to-all (Ulysses, USP): this member's heads to each other member's rows."""
+def _lse_bytes(method, kw, hq, b, t_local) -> tuple[int, int]:
+    """Bytes of the lse's all-to-all (Ulysses, USP): this member's heads to each other member's rows;
+    and of its gradient's in backward: this rank's rows of each other member's heads."""
     if method not in ("ulysses", "usp"):
-        return 0
+        return 0, 0
     axis = kw["group"].ulysses if method == "usp" else seqpar.comm.group_info(None)
     u, me = axis.size, axis.rank
     h_me = seqpar.methods.head_shards(hq, u)[me] if u > 1 else hq
-    return (u - 1) * b * t_local * h_me * 4
+    return (u - 1) * b * t_local * h_me * 4, b * t_local * (hq - h_me) * 4  # (lse, its gradient)
 
 
 def _batch(method, cases):
@@ -108,7 +110,7 @@ def _batch(method, cases):
         with_lse, lse, sent, grad_meta = _call(method, kw, local, sinks, causal, window, extra, True)
         plain, _, sent_plain, _ = _call(method, kw, local, sinks, causal, window, extra, False)
         want = _expected_lse(method, kw, glob, sinks, causal, window, cu, extra)
-        extra_bytes = sent.pop(("fwd", "ulysses_lse"), 0)
+        extra_bytes = sent.pop(("fwd", "ulysses_lse"), 0), sent.pop(("bwd", "ulysses_dlse"), 0)
         rows.append({
             "identical": all(torch.equal(a, p) for a, p in zip(with_lse, plain)),
             "lse_err": _lse_error(lse, want),

@@ -172,7 +172,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, 
         return_lse: also return ``lse [B, Hq, T_local]`` fp32 (float64 for float64), rows as out's: the log
             of each row's softmax denominator (scaled scores, sinks included; -inf for packed padding);
             differentiable (merges with other attention results); ulysses/usp send one more fp32 all-to-all
-            for it, one more in backward if it has a gradient (on all ranks or none: :mod:`seqpar.softmax.lse`).
+            for it, one more in backward (any rank's loss may hold it or not: :mod:`seqpar.softmax.lse`).
 
     Raises ``ValueError`` naming the argument, on every rank and before any communication, for bad
     shapes, dtypes, method, backend, window or lengths. Raises :class:`seqpar.PeerError` when a peer rank

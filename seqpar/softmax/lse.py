@@ -33,8 +33,9 @@ lse alone), the kernels that take delta itself (the Triton and reference kernels
 ``return_lse=True`` a backward reads one or two bools on the host (a dlse of zeros; a query bundle's
 rows only delta can carry). The ring family sends nothing more, and its ranks may differ in
 whether their loss holds the lse. Ulysses and USP send ``dlse`` to the head shards by one more
-all-to-all (``B·Hq·T_local`` fp32 values per rank, the inverse of the forward's): there every rank
-of the Ulysses axis must differentiate through its lse, or none (as every rank must run backward).
+all-to-all (``B·Hq·T_local`` fp32 values per rank, the inverse of the forward's), sent by every
+member whenever ``return_lse=True`` (zeros from a rank whose loss does not hold the lse), so that
+ranks may differ there too: the all-to-all always matches.
 
 Ulysses and USP hold the lse head-sharded after their local attention; with ``return_lse=True``
 one extra all-to-all of ``B·Hq·T_local`` values (fp32) per rank brings it back to this rank's rows.

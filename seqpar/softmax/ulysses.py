@@ -334,7 +334,11 @@ def ulysses_backward(dout, saved, cfg: UlyssesConfig, sinks=None, dlse=None):
     the gradient on the returned lse of this rank's rows, or None."""
     qh, kh, vh, outh, lse = saved
     (douth,) = seq_to_heads(cfg.axis, (dout,), (cfg.q_split,), stats=cfg.stats, name="ulysses_dout", trace=cfg.trace)
-    dlse = None if dlse is None else lse_to_heads(dlse, cfg)
+    if cfg.return_lse:  # every member sends, its loss holding the lse or not: the all-to-all must match
+        if dlse is None:
+            dlse = torch.zeros((dout.shape[0], cfg.heads[0], dout.shape[1]), dtype=lse.dtype, device=lse.device)
+        dlse = lse_to_heads(dlse, cfg)
+        dlse = dlse if bool(dlse.any()) else None  # none of these heads' rows is in a loss: the plain backward
     grads = _local_backward(douth, qh, kh, vh, outh, lse, cfg, dlse)
     splits = (cfg.q_split, cfg.kv_split, cfg.kv_split)
     heads = (cfg.heads[0], cfg.heads[1], cfg.heads[1])
