@@ -202,8 +202,8 @@ def test_text_folder_default_flags_and_autocast(tmp_path, capsys):
         (held / f"{i}.txt").write_text((doc + " ") * (1 + 150 // len(doc)))  # 506 bytes + BOS, EOS: 512 tokens
     evals = {}
     for dtype in ("float32", "bfloat16"):
-        res = train(["--model-config", str(tmp_path / "model.json"), "--seq-len", "128", "--steps", "2", "--lr", "1e-30",
-                     "--no-progress", "--dtype", dtype, "--eval-data", str(held)])
+        res = train(["--model-config", str(tmp_path / "model.json"), "--seq-len", "128", "--steps", "2",
+                     "--lr", "1e-30", "--no-progress", "--dtype", dtype, "--eval-data", str(held)])
         evals[dtype] = res.evals
     out = capsys.readouterr().out
     assert "evaluation at the end: 4 x 128 tokens of" in out and "--eval-batches 32 asked for more" in out

@@ -337,7 +337,8 @@ def test_overflow_at_every_step_stops_at_the_scale_floor(tmp_path):
         run_distributed(_train_on_ranks, 2, argv, range(1, 6), timeout=300)
     assert "raised on ranks [0, 1]" in str(info.value)
     steps = [r for r in map(json.loads, log.read_text().splitlines()) if "step" in r]
-    assert [(r["step"], r["loss_scale"], r["skipped"]) for r in steps] == [(1, 3.0, True), (2, 1.5, True), (3, 0.75, True)]
+    assert [(r["step"], r["loss_scale"], r["skipped"]) for r in steps] == [(1, 3.0, True), (2, 1.5, True),
+                                                                          (3, 0.75, True)]
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step_00000001", "step_00000002"]  # not step 3
 
 

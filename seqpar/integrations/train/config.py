@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--loss-scale-growth-interval", type=int, metavar="N", help="with --dtype float16: clean steps before the "
       "loss scale doubles (default 2000)")
     a("--loss-scale-min", type=float, metavar="S", help="with --dtype float16: stop with an error when the loss "
-      "scale falls below S (default 1, or --loss-scale-init when lower; the loss or gradients then overflow at nearly every step, and a scale "
-      "halved on to 0 would silently stop all updates)")
+      "scale falls below S (default 1, or --loss-scale-init when lower; the loss or gradients then overflow at "
+      "nearly every step, and a scale halved on to 0 would silently stop all updates)")
     a("--steps", type=int, default=50)
     a("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, linear warmup, cosine to 10%%)")
     a("--warmup", type=int, help="warmup steps (default: min(10, steps / 10))")

@@ -82,8 +82,9 @@ class LossScaleError(RuntimeError):
 
 def check_loss_scale(cfg: TrainConfig, scaler, step: int, history: list[dict]) -> None:
     """Raise :class:`LossScaleError` when the scale after ``step``'s update is below ``--loss-scale-min``
-    (default 1, or --loss-scale-init when lower). The scale is the same on every rank (the inf/NaN finding is all-reduced), so every
-    rank raises at the same step; ``history``: the step records so far (this step's last)."""
+    (default 1, or --loss-scale-init when lower). The scale is the same on every rank (the inf/NaN
+    finding is all-reduced), so every rank raises at the same step; ``history``: the step records so
+    far (this step's last)."""
     init = 2.0**16 if cfg.loss_scale_init is None else cfg.loss_scale_init
     floor = min(1.0, init) if cfg.loss_scale_min is None else cfg.loss_scale_min  # a default below the start
     if scaler is None or scaler.get_scale() >= floor:
@@ -213,5 +214,6 @@ def static_step(cfg: TrainConfig, rt, data, model, batch: int, step: int, autoca
     return total / count, squares
 
 
-__all__ = ["LossScaleError", "backward", "check_loss_scale", "clip_gradients", "forward_backward", "lr_at", "make_scaler", "maybe_crash",
-           "optimizer_step", "peak_memory_mib", "static_step", "sum_over_ranks", "sync", "token_loss"]
+__all__ = ["LossScaleError", "backward", "check_loss_scale", "clip_gradients", "forward_backward", "lr_at",
+           "make_scaler", "maybe_crash", "optimizer_step", "peak_memory_mib", "static_step", "sum_over_ranks", "sync",
+           "token_loss"]
