@@ -300,7 +300,7 @@ def test_non_finite_loss_and_norm_are_null_in_the_json_log(tmp_path, monkeypatch
 
     monkeypatch.setattr(train_step, "forward_backward", forward_backward)
     log, plot = tmp_path / "log.jsonl", tmp_path / "loss.png"
-    res = train(_args(tmp_path, "--json", log, "--plot", plot, "--timeout", "inf", steps=3))
+    res = train(_args(tmp_path, "--json", log, "--plot", plot, "--timeout", "inf", "--save", tmp_path / "c", steps=3))
 
     def refuse(constant):
         raise AssertionError(f"{constant} is not JSON")
@@ -316,3 +316,10 @@ def test_non_finite_loss_and_norm_are_null_in_the_json_log(tmp_path, monkeypatch
     assert plot.stat().st_size > 0
     with pytest.raises(ValueError, match="not JSON compliant"):
         json.dumps(strict_record({"step": 1, "tokens_per_s": math.inf}), allow_nan=False)
+    # the checkpoint's meta.json too: null in its history, read back as NaN by a resume (which plots it)
+    meta = json.loads((tmp_path / "c" / "step_00000003" / "meta.json").read_text(), parse_constant=refuse)
+    assert [r["loss"] for r in meta["history"][1:]] == [None, None] and meta["history"][1]["grad_norm"] is None
+    plot.unlink()
+    again = train(_args(tmp_path, "--save", tmp_path / "c", "--resume", "--plot", plot, steps=4))
+    assert again.history[0] == res.history[0] and math.isnan(again.history[1]["loss"]) and len(again.history) == 4
+    assert plot.stat().st_size > 0

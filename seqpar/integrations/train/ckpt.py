@@ -20,6 +20,7 @@ initial scale, and a run without a scaler ignores them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -104,7 +105,8 @@ def model_fingerprint(model) -> dict:
     """What must match for a checkpoint to load: the config (architecture entries) and the shapes."""
     config = {k: v for k, v in sorted(model.config.to_dict().items()) if k not in _CONFIG_IGNORE}
     shapes = {name: list(p.shape) for name, p in model.named_parameters()}
-    return {"config": json.loads(json.dumps(config, default=str)), "shapes": shapes}
+    # a non-finite config value as its JSON name ("Infinity"), so meta.json stays strict JSON
+    return {"config": json.loads(json.dumps(config, default=str), parse_constant=str), "shapes": shapes}
 
 
 def check_same_model(meta: dict, current: dict, path: Path) -> None:
@@ -162,6 +164,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, meta: dict, s
     import torch.distributed.checkpoint as dcp
 
     root = Path(root)
+    text = meta_text(meta)  # on every rank, before any collective: a value JSON cannot hold fails here
     final, tmp = step_dir(root, step), root / f".tmp-step_{step:08d}"
     if _rank0():
         root.mkdir(parents=True, exist_ok=True)
@@ -174,7 +177,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, meta: dict, s
     _barrier()
     if _rank0():
         with open(tmp / META, "w") as f:
-            json.dump(meta, f, indent=1)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         with open(tmp / COMPLETE, "w") as f:  # last: its presence means everything above is on disk
@@ -198,12 +201,28 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, meta: dict, s
     return final
 
 
+def meta_text(meta: dict) -> str:
+    """``meta`` as strict JSON: the step and evaluation records' non-finite losses and norms as null (the
+    ``--json`` log's convention, :func:`.log.strict_record`); any other non-finite value raises."""
+    from .log import strict_record
+
+    records = {key: [strict_record(r) for r in meta[key]] for key in ("history", "evals") if key in meta}
+    return json.dumps({**meta, **records}, indent=1, allow_nan=False)
+
+
 def read_meta(path: str | Path) -> dict:
+    """A checkpoint's meta; the records' null losses and norms read back as NaN (non-finite when saved)."""
+    from .log import NULLABLE
+
     path = Path(path)
     if not is_complete(path):
         raise ValueError(f"--resume: {path} is not a complete checkpoint (no {COMPLETE} marker)")
     with open(path / META) as f:
-        return json.load(f)
+        meta = json.load(f)
+    for key in ("history", "evals"):
+        if key in meta:
+            meta[key] = [{k: math.nan if k in NULLABLE and v is None else v for k, v in r.items()} for r in meta[key]]
+    return meta
 
 
 def load_checkpoint(path: str | Path, model, optimizer, fingerprint: dict, scaler=None) -> dict:
