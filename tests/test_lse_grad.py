@@ -95,8 +95,8 @@ def _call(method, kw, local, w, u, sinks, causal, window, extra, lse_only, throu
     return [x.grad for x in leaves], ds, dict(stats.sent)
 
 
-def _case(method, kw, index, case, first_only=False):
-    """One case; ``first_only``: only rank 0's loss has the lse term (the others' backward gets no dlse)."""
+def _case(method, kw, index, case, only=None):
+    """One case; ``only``: the rank whose loss alone has the lse term (the others' backward gets no dlse)."""
     causal, window, lens, (hq, hkv, d, dv), with_sinks, lse_only = case
     rank, n = world()
     gen = torch.Generator().manual_seed(17 * n + index)
@@ -115,10 +115,10 @@ def _case(method, kw, index, case, first_only=False):
     real = seqpar.shard(torch.ones_like(u), method=method, dim=2, **kw, **extra) > 0  # padding rows: False
     lu = torch.where(real, seqpar.shard(u, method=method, dim=2, **kw, **extra), 3.0)  # padding rows get 3
     grads, ds, sent = _call(method, kw, local, lw, lu, sinks, causal, window, extra, lse_only,
-                            through_lse=rank == 0 or not first_only)
+                            through_lse=only is None or rank == only)
     _, _, sent_out = _call(method, kw, local, lw, lu, sinks, causal, window, extra, lse_only, through_lse=False)
-    lse_term = rank == 0 or not first_only
-    if first_only or lse_only:  # the loss's global w and u: each rank's term of its own rows
+    lse_term = only is None or rank == only
+    if only is not None or lse_only:  # the loss's global w and u: each rank's term of its own rows
         w = seqpar.unshard(lw if not (lse_only and lse_term) else torch.zeros_like(lw), method=method, **kw, **extra)
         u = seqpar.unshard(lu if lse_term else torch.zeros_like(lu), method=method, dim=2, **kw, **extra)
     want = _reference(glob, w, u, sinks, causal, window, cu)
@@ -131,10 +131,12 @@ def _case(method, kw, index, case, first_only=False):
             "dlse_bytes": (dlse_bytes, _dlse_bytes(method, kw, hq, b, local[0].shape[1]))}
 
 
-def _batch(method, cases, first_only=False):
+def _batch(method, cases, only=None, ring_method=None):
     _, n = world()
     kw = _options(method, n)
-    return [_case(method, kw, i, case, first_only) for i, case in enumerate(cases)]
+    if ring_method is not None:  # usp's ring axis
+        kw["ring_method"] = ring_method
+    return [_case(method, kw, i, case, only) for i, case in enumerate(cases)]
 
 
 def _check(res, cases=CASES):
@@ -165,7 +167,16 @@ def test_lse_in_one_rank_loss(method):
     """Only rank 0's loss has the lse term: the others' backward gets no dlse, yet computes rank 0's
     rows from the delta' its bundles carry (usp at N=3: U=1, a pure ring axis); Ulysses' dlse
     all-to-all runs on every rank alike (zeros from the others), so nothing mismatches or hangs."""
-    _check(run_distributed(_batch, 3, method, CASES, True, timeout=TIMEOUT))
+    _check(run_distributed(_batch, 3, method, CASES, 0, timeout=TIMEOUT))
+
+
+def test_lse_in_the_last_rank_loss_usp():
+    """usp as 2 (Ulysses) x 2 (token_ring), only rank 3's loss holding the lse: the other Ulysses group
+    gets no dlse, yet its ring members compute the query bundles of rank 3's group, whose rows of a
+    loss of the lse alone only delta' carries (checked there though their own backward has no dlse).
+    With the lse in rank 0's loss instead, no such bundle reaches a rank without dlse here: that case
+    passes when the USP ring is not told of return_lse, this one fails."""
+    _check(run_distributed(_batch, 4, "usp", CASES, 3, "token_ring", timeout=TIMEOUT))
 
 
 @pytest.mark.slow
