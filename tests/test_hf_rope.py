@@ -11,6 +11,9 @@ whole sequence's: dynamic scaling grows with the largest position (every shard's
 longrope switches at 16 (ring at N = 3 over 48 tokens: rank 0's positions end at 15, short factors,
 where the whole sequence takes the long ones). Every case fails without the fix.
 
+Gemma-3 (one rotary module, a RoPE per layer type) with dynamic RoPE on its sliding layers only; packed
+documents against transformers' packed forward of the whole input (the frequencies of the longest document).
+
 Compared as in tests/test_hf.py (its `_cp_matches_single`: logits, loss and every summed gradient
 against the float64 model, bound max(2e-5, 3x the fp32 single process's error)), and generate() on a
 ShardedCache against single-process generate() as in tests/test_generate.py (tokens equal, logits
@@ -28,9 +31,12 @@ pytest.importorskip("transformers")
 
 from test_generate import REL_TOL, _relative  # noqa: E402
 from test_hf import _check, _cp_matches_single  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Phi3Config,  # noqa: E402
+                          Phi3ForCausalLM)
 
-from seqpar.integrations.hf import ShardedCache, apply_context_parallel  # noqa: E402
+from seqpar.integrations.hf import (IGNORE_INDEX, ShardedCache, apply_context_parallel,  # noqa: E402
+                                    context_parallel_loss, shard_inputs, shift_labels)
 from seqpar.integrations.hf.rope import length_dependent_layers  # noqa: E402
 from seqpar.testing import run_distributed  # noqa: E402
 
@@ -51,6 +57,16 @@ def _longrope(seed: int):
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16, **factors})), seed)
 
 
+def _gemma3_dynamic(seed: int):
+    # one rotary module with a RoPE per layer type (its rope_type a dict): dynamic on the sliding layers,
+    # the default on the full ones (a window of 64 covers the sequence: the RoPE alone is under test)
+    return _sharpened(Gemma3ForCausalLM(Gemma3TextConfig(
+        **COMMON, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, max_position_embeddings=16, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}})), seed)
+
+
 def _static(seed: int):
     return _sharpened(LlamaForCausalLM(LlamaConfig(**COMMON, max_position_embeddings=16)), seed)
 
@@ -64,10 +80,11 @@ def _sharpened(model, seed: int):
     return model
 
 
-MODELS = {"dynamic": _dynamic, "longrope": _longrope}
+MODELS = {"dynamic": _dynamic, "longrope": _longrope, "gemma3_dynamic": _gemma3_dynamic}
 
 
 @pytest.mark.parametrize("kind, n, method", [("dynamic", 2, "zigzag_ring"), ("longrope", 3, "ring"),
+                                             ("gemma3_dynamic", 2, "zigzag_ring"),
                                              pytest.param("dynamic", 3, "striped_ring", marks=pytest.mark.slow)])
 def test_length_dependent_rope_matches_single_process(kind, n, method):
     T = 48
@@ -95,6 +112,38 @@ def _usp_case():
     loss = context_parallel_loss(logits, batch.labels)
     loss.backward()
     return _compare(refs, model, logits, loss, batch), batch.token_index.tolist()
+
+
+def _packed_case(lengths: list[int], method: str):
+    """Packed documents against transformers' own packed forward of the whole input (position ids restarting
+    at each document, no mask: the documents attend apart), whose dynamic RoPE takes its frequencies from the
+    longest document (``max(position_ids) + 1``), not each document's own length."""
+    from test_hf import _compare
+
+    ref = _dynamic(4)
+    model = apply_context_parallel(copy.deepcopy(ref), method=method)
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    ids = torch.randint(0, 96, (1, T), generator=torch.Generator().manual_seed(4))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    refs = []
+    for one in (ref, copy.deepcopy(ref).double()):
+        logits = one(input_ids=ids, position_ids=positions, use_cache=False).logits
+        loss = F.cross_entropy(logits.reshape(-1, 96), shift_labels(ids, cu).reshape(-1), ignore_index=IGNORE_INDEX)
+        loss.backward()
+        refs.append((one, logits, loss))
+    batch = shard_inputs(ids, cu_seqlens=cu, method=method)
+    logits = model(**batch.model_kwargs()).logits
+    loss = context_parallel_loss(logits, batch.labels)
+    loss.backward()
+    return _compare(refs, model, logits, loss, batch), batch.token_index.tolist()
+
+
+def test_length_dependent_rope_packed_documents_match_single_process():
+    # the 30-token document is longer than max_position_embeddings (16): the rank that holds only its first
+    # positions would scale by its own; a document of length 1; 47 tokens, not divisible by 2
+    lengths = [30, 1, 10, 6]
+    _check(run_distributed(_packed_case, 2, lengths, "ring", timeout=180), sum(lengths))
 
 
 def _generate(kind: str, method: str, length: int):

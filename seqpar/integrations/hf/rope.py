@@ -8,7 +8,9 @@ sequence rotated differently on different ranks, and logits 25-70% off with no e
 makes the choice global: before the decoder model's forward, a hook works out the largest position
 of the whole input and runs transformers' own update with it; the rotary module's forward then
 computes cos / sin of the local positions without updating again. The result is what one process
-computes on the whole input.
+computes on the whole input; for packed documents (``cu_seqlens``) that is transformers' packed forward
+(position ids restarting per document), whose frequencies come from the longest document of the input,
+not from each document's own length.
 
 The largest position: on a :class:`~.cache.ShardedCache` (``generate()``) every rank holds the whole
 input, so it is read off it (``position_ids``, else ``past + new - 1`` as transformers numbers them);
