@@ -575,6 +575,15 @@ def test_one_process_equals_trainer_and_bad_arguments(folder, tmp_path):
                                   load_best_model_at_end=True, save_only_model=True)
     with pytest.raises(ValueError, match="load_best_model_at_end: under FSDP2 .* set save_only_model=False"):
         ContextParallelTrainer(model=ours.model, args=no_shards)
+    # a checkpoint saved under FSDP2 (optimizer state in fsdp2_state/ only) resumed without fsdp: the
+    # Trainer would load the model and silently start a new optimizer and schedule
+    saved = tmp_path / "fsdp2_saved" / "checkpoint-2"
+    ours.save_model(str(saved))
+    ours.state.save_to_json(str(saved / "trainer_state.json"))
+    torch.save(ours.lr_scheduler.state_dict(), saved / "scheduler.pt")
+    (saved / "fsdp2_state").mkdir()
+    with pytest.raises(ValueError, match="resume_from_checkpoint: .* was saved under FSDP2.* fsdp=True"):
+        ours.train(resume_from_checkpoint=str(saved))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["SHARDED_STATE", "commit", "load_sharded", "save_sharded", "staging_dir"]
+__all__ = ["SHARDED_STATE", "check_unsharded", "commit", "load_sharded", "save_sharded", "staging_dir"]
 
 #: the DCP folder inside a checkpoint written under FSDP2
 SHARDED_STATE = "fsdp2_state"
@@ -85,6 +85,18 @@ def save_sharded(folder: str | Path, model, optimizer) -> None:
 
     model_state, optim_state = get_state_dict(model, _torch_optimizer(optimizer))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(Path(folder, SHARDED_STATE)))
+
+
+def check_unsharded(folder: str | Path) -> None:
+    """``ValueError`` (every rank, before any communication; a shared file system) when checkpoint
+    ``folder`` holds its optimizer state only as FSDP2 shards: a run without FSDP2 would load its model
+    and silently start a new optimizer and learning-rate schedule (the Trainer skips both when
+    ``optimizer.pt`` is missing)."""
+    if Path(folder, SHARDED_STATE).is_dir() and not Path(folder, "optimizer.pt").is_file():
+        raise ValueError(f"resume_from_checkpoint: {folder} was saved under FSDP2: its optimizer state is in "
+                         f"{SHARDED_STATE}/ (FSDP2 shards), which a run without fsdp cannot load; resume with "
+                         "fsdp=True, fsdp_config={'version': 2} as it was saved, or load its model with "
+                         "from_pretrained and start a new run")
 
 
 def load_sharded(folder: str | Path, model, optimizer=None) -> None:

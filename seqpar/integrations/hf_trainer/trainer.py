@@ -40,7 +40,7 @@ from ..hf import IGNORE_INDEX, context_parallel_loss, shard_inputs
 from ..hf.convert import _attention_options
 from ..parallelize import parallelize
 from .batches import agree_eval_loss, agree_label_count, count_labels, pack_batch
-from .checkpoints import commit, load_sharded, save_sharded, staging_dir
+from .checkpoints import check_unsharded, commit, load_sharded, save_sharded, staging_dir
 
 __all__ = ["ContextParallelTrainer"]
 
@@ -257,8 +257,10 @@ class ContextParallelTrainer(Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """Under FSDP2 the model's shards come from the checkpoint's DCP files."""
+        """Under FSDP2 the model's shards come from the checkpoint's DCP files; without, a checkpoint
+        saved under FSDP2 is refused (:func:`.checkpoints.check_unsharded`)."""
         if not self.fsdp_options:
+            check_unsharded(resume_from_checkpoint)
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_sharded(resume_from_checkpoint, self.model)
 
