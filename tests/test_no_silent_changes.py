@@ -79,7 +79,7 @@ def test_suite_values_are_read_as_written(config, match):
 
 
 @pytest.mark.parametrize("flag,value", [("--grad-clip", "-1"), ("--warmup", "-1"), ("--weight-decay", "-0.1"),
-                                        ("--timeout", "0")])
+                                        ("--timeout", "0"), ("--lr", "inf"), ("--weight-decay", "inf")])
 def test_trainer_flags_are_not_reinterpreted(flag, value):
     from seqpar.integrations.train.config import parse_args, validate
 

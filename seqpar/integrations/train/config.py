@@ -252,14 +252,15 @@ def validate(cfg: TrainConfig, world: int):
     for flag, value in positive.items():
         if value < 1:
             raise ValueError(f"{flag}: expected a positive integer, got {value}")
-    if not cfg.lr > 0:
-        raise ValueError(f"--lr: expected a positive learning rate, got {cfg.lr}")
+    if not 0 < cfg.lr < float("inf"):  # inf: NaN weights after the first step (and no strict JSON checkpoint)
+        raise ValueError(f"--lr: expected a positive finite learning rate (e.g. 1e-3), got {cfg.lr}")
     # values that would otherwise be read as something else: a negative clip as "off", a negative
-    # warmup as "no warmup" with the cosine past its end
+    # warmup as "no warmup" with the cosine past its end; an infinite weight decay as NaN weights
     for flag, value in (("--grad-clip", cfg.grad_clip), ("--weight-decay", cfg.weight_decay),
                         ("--warmup", cfg.warmup)):
-        if value is not None and not value >= 0:
-            raise ValueError(f"{flag}: expected a non-negative number, got {value}")
+        if value is not None and not (value >= 0 and (flag == "--grad-clip" or value < float("inf"))):
+            raise ValueError(f"{flag}: expected a non-negative {'' if flag == '--grad-clip' else 'finite '}number, "
+                             f"got {value}")
     if not cfg.timeout > 0:
         raise ValueError(f"--timeout: expected a positive number of seconds, got {cfg.timeout}")
     if cfg.save_every < 0 or (cfg.save_every and not cfg.save):
