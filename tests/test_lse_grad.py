@@ -8,7 +8,8 @@ single-process reference built from plain torch (``reference_attention``'s softm
 ``reference_lse``'s logsumexp, differentiated by autograd). Cases: dense causal GQA; dense
 non-causal with a window, sinks and MLA head dims (MQA); packed causal documents with sinks, whose
 padding rows (lse ``-inf``) get a nonzero ``u`` (no NaN, no gradient from them); the lse alone
-with sinks; the stream layout (documents across ranks). The bytes sent equal those of the same call differentiated through out alone, but for
+with sinks, and of packed documents; the stream layout (documents across ranks). The bytes sent
+equal those of the same call differentiated through out alone, but for
 Ulysses' and USP's one all-to-all of ``dlse`` (exactly its size). Then: the lse in one rank's
 loss only; float64 (exact to rounding) and bf16 inputs; seqpar.checkpoint and torch.compile (aot_eager, fullgraph) against the
 plain call; the ring-flash-attention drop-in's lse.
@@ -39,6 +40,8 @@ CASES = ((True, None, None, (4, 2, 8, 8), False, False),
          (False, 7, None, (4, 1, 8, 6), True, False),
          (True, None, (5, 11, 8), (4, 2, 8, 8), True, False),
          (True, None, None, (4, 2, 8, 8), True, True))
+# packed documents, the lse alone: rows only delta' carries, through the packed kernels (every method at N=2)
+PACKED_ALONE = ((True, None, (5, 11, 8), (4, 2, 8, 8), False, True),)
 # the stream layout (method="ring"): documents cross rank boundaries; a window and sinks, and the lse alone
 STREAM_CASES = ((True, 5, ("stream", 3, 13, 8), (4, 2, 8, 8), True, False),
                 (True, None, ("stream", 7, 10, 7), (4, 2, 8, 8), False, True))
@@ -154,7 +157,7 @@ def _check(res, cases=CASES):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method(method):
-    _check(run_distributed(_batch, 2, method, CASES, timeout=TIMEOUT))
+    _check(run_distributed(_batch, 2, method, CASES + PACKED_ALONE, timeout=TIMEOUT), CASES + PACKED_ALONE)
 
 
 @pytest.mark.parametrize("method", ["zigzag_ring", "token_ring", "usp"])
