@@ -30,10 +30,12 @@ is not in the loss), the backward is the one without it, bit for bit, with the s
 ``dlse``: the kernels that derive delta from ``out`` get a surrogate ``out``
 (:func:`.foreign.surrogate_out`), or, when a row has ``dout = 0`` and ``dlse != 0`` (a loss of the
 lse alone), the kernels that take delta itself (the Triton and reference kernels); with
-``return_lse=True`` a backward reads one or two bools on the host (a dlse of zeros; a query bundle's
-rows only delta can carry). The ring family sends nothing more, and its ranks may differ in
-whether their loss holds the lse. Ulysses and USP send ``dlse`` to the head shards by one more
-all-to-all (``B·Hq·T_local`` fp32 values per rank, the inverse of the forward's), sent by every
+``return_lse=True`` a backward reads bools on the host (device syncs on GPUs): one when a dlse is
+given (is it zeros), one more in Ulysses/USP (for their head shards), and one per query bundle that
+carries delta (has it a row only delta can carry): the own one with a dlse, and every other
+member's one, with a dlse or not (token_ring at N = 4: 3, or 4 with a dlse; measured). The ring
+family sends nothing more, and its ranks may differ in whether their loss holds the lse. Ulysses
+and USP send ``dlse`` to the head shards by one more all-to-all (``B·Hq·T_local`` fp32 values per rank, the inverse of the forward's), sent by every
 member whenever ``return_lse=True`` (zeros from a rank whose loss does not hold the lse), so that
 ranks may differ there too: the all-to-all always matches.
 
