@@ -35,9 +35,10 @@ given (is it zeros), one more in Ulysses/USP (for their head shards), and one pe
 carries delta (has it a row only delta can carry): the own one with a dlse, and every other
 member's one, with a dlse or not (token_ring at N = 4: 3, or 4 with a dlse; measured). The ring
 family sends nothing more, and its ranks may differ in whether their loss holds the lse. Ulysses
-and USP send ``dlse`` to the head shards by one more all-to-all (``B·Hq·T_local`` fp32 values per rank, the inverse of the forward's), sent by every
-member whenever ``return_lse=True`` (zeros from a rank whose loss does not hold the lse), so that
-ranks may differ there too: the all-to-all always matches.
+and USP send ``dlse`` to the head shards by one more all-to-all (``B·Hq·T_local`` fp32 values per
+rank, the inverse of the forward's), sent by every member whenever ``return_lse=True`` (zeros from
+a rank whose loss does not hold the lse), so that ranks may differ there too: the all-to-all always
+matches.
 
 Ulysses and USP hold the lse head-sharded after their local attention; with ``return_lse=True``
 one extra all-to-all of ``B·Hq·T_local`` values (fp32) per rank brings it back to this rank's rows.
