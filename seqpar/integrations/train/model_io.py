@@ -246,6 +246,10 @@ def materialize(model, device=None, argument: str = "--model") -> None:
     with torch.no_grad():
         for mod in owners.values():
             model._init_weights(mod)
+    for mod in model.modules():  # a forward on meta (the dispatch check) cached longrope's long factors there:
+        for name, value in list(vars(mod).items()):  # None makes transformers compute them again on first use
+            if name.endswith("long_inv_freq") and isinstance(value, torch.Tensor) and value.is_meta:
+                setattr(mod, name, None)
     for name, buf in model.named_buffers():
         if name not in persistent and buf.is_floating_point() and torch.isnan(buf).any():
             raise ValueError(f"{argument}: cannot recompute buffer {name!r} of {type(model).__name__} after "
