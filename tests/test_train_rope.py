@@ -100,3 +100,11 @@ def test_longrope_model_trains_and_evaluates_as_transformers(folders):
     assert kinds == {False, True}  # both factor sets are in use
     for got in (one, cp2):
         assert got["eval_tokens"] == labels and abs(got["eval_loss"] - want) <= REF_RTOL * want
+
+
+def test_adaptive_is_refused_for_a_length_dependent_rope(folders):
+    """--adaptive runs a group's several sequences in one forward, whose longest document would choose the
+    factors for all of them (measured: the --batch-size 4 evaluation 1.3e-4 off one process, every
+    sequence with the long factors); refused before any rank starts, naming the flag and the way out."""
+    with pytest.raises(ValueError, match=r"--adaptive: the model's RoPE \(longrope\).*--context-parallel N"):
+        train(_args(folders, "--adaptive", "--nproc", 2, "--batch-size", 4))

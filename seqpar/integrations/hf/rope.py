@@ -30,7 +30,7 @@ from ...comm import group_info
 from ...comm.usp_groups import USPGroups
 from .cache import ShardedCache
 
-__all__ = ["install", "length_dependent_layers"]
+__all__ = ["install", "length_dependent_layers", "length_dependent_types"]
 
 _HANDLES = "_seqpar_rope_hooks"
 
@@ -48,6 +48,14 @@ def length_dependent_layers(rotary) -> list[str | None]:
     if isinstance(kinds, dict):
         return [name for name, kind in kinds.items() if isinstance(kind, str) and _depends_on_length(kind)]
     return []
+
+
+def length_dependent_types(config) -> list[str]:
+    """The RoPE types of a transformers ``config`` (every layer type's) that depend on the sequence length."""
+    params = getattr(config, "rope_parameters", None) or {}
+    per_type = [p for p in params.values() if isinstance(p, dict)] or [params]
+    return sorted({p["rope_type"] for p in per_type
+                   if isinstance(p.get("rope_type"), str) and _depends_on_length(p["rope_type"])})
 
 
 def install(model, base: torch.nn.Module, group) -> None:

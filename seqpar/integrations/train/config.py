@@ -301,6 +301,14 @@ def validate(cfg: TrainConfig, world: int):
         if not out.resolve().parent.is_dir():
             raise ValueError(f"--export-hf: the parent folder of {out} does not exist; create it first")
     folder = model_folder(cfg)
+    if cfg.adaptive:  # one forward per group's stream of several sequences: one choice of frequencies for all
+        from ..hf.rope import length_dependent_types
+
+        kinds = length_dependent_types(folder.config if folder is not None else load_model_config(cfg.model_config))
+        if kinds:
+            raise ValueError(f"--adaptive: the model's RoPE ({', '.join(kinds)}) takes its frequencies from the "
+                             "longest document of each forward, and --adaptive runs several sequences in one "
+                             "forward, so the loss would depend on the plan; use --context-parallel N instead")
     open_eval_data(cfg, folder)  # a bad --eval-data fails here, once
     return open_data(cfg, folder)
 
