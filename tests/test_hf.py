@@ -358,3 +358,41 @@ def test_softcapping_is_refused_when_applied():
                                          r"attn_logit_softcapping.*\(2 of 2 attention layers alike\)"):
         apply_context_parallel(model)
     assert not model.config._attn_implementation.startswith("seqpar")
+
+
+def _llama4(seed, chunk=None, temperature=False):
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, intermediate_size_mlp=96,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              num_local_experts=1, floor_scale=4, attention_chunk_size=chunk,
+                              max_position_embeddings=256, pad_token_id=0, attn_temperature_tuning=temperature)
+    torch.manual_seed(seed)
+    model = Llama4ForCausalLM(config)
+    model.config._experts_implementation = "eager"  # float64 reference: torch's grouped_mm has no float64
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    return model
+
+
+def test_llama4_chunked_attention_and_temperature_tuning_are_refused():
+    """Llama-4's chunked layers (a token sees its own chunk of attention_chunk_size) and its query
+    temperature on layers without RoPE (from the positions of the tokens a layer holds: a shard's under
+    context parallelism) read the sequence's layout: measured before the refusal, logits 1.2-1.3
+    (chunks of 8 in 48 tokens) and 1.3e-2 (temperature) relative off the single process at N = 2,
+    with no error. Refused, naming the config attribute; the model is left as it was."""
+    for model, what in ((_llama4(0, chunk=8), r"chunked attention \(attention_chunk_size=8"),
+                        (_llama4(0, temperature=True), r"model\.layers\.3\.self_attn scales its queries.*"
+                                                       r"attn_temperature_tuning=False")):
+        with pytest.raises(ValueError, match=what):
+            apply_context_parallel(model)
+        assert not model.config._attn_implementation.startswith("seqpar")
+
+
+def test_llama4_without_them_matches_single_process():
+    """With full attention on every layer and no temperature tuning (the RoPE and NoPE layers, MoE,
+    qk norm as Llama-4 has them), the converted model equals the single process."""
+    T = 48
+    _check(run_distributed(_cp_matches_single, 2, _llama4, "zigzag_ring", 1, T, 3, timeout=180), T)

@@ -128,6 +128,25 @@ def _refused(name: str, kwargs: dict) -> str | None:
     return None
 
 
+def _unsupported(model, attention_modules) -> str | None:
+    """Why a model's attention cannot run context-parallel, from its config and modules (None when it
+    can): features that read the sequence's global layout where seqpar's attention sees a shard."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    chunked = [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == "chunked_attention"]
+    if chunked:
+        return (f"model: layers {chunked} of {type(model).__name__} use chunked attention (attention_chunk_size="
+                f"{getattr(config, 'attention_chunk_size', None)}: a token sees only its own chunk), which seqpar's "
+                "attention does not implement; build the config with attention_chunk_size=None (every layer full "
+                "causal attention), or keep the model's attention local")
+    for name, module in attention_modules:
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+            return (f"model: {name} scales its queries by their position (attn_temperature_tuning on a layer "
+                    "without RoPE), computed from the positions of the tokens it holds, which under context "
+                    "parallelism are a shard's, not the sequence's; build the config with "
+                    "attn_temperature_tuning=False, or keep the model's attention local")
+    return None
+
+
 def _probe_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      is_causal=None, **kwargs):
     """Records which modules dispatch through the interface (and receive forward kwargs), with the
@@ -255,7 +274,9 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
     ``cu_seqlens`` (global) is passed to the forward; each layer's own ``sliding_window`` and
     ``s_aux`` (sinks) as ``window=`` and ``sinks=``. Raises ``ValueError`` when a decoder layer's
     attention does not dispatch through the interface (naming the module), when a layer applies
-    attention-logit softcapping (Gemma-2; naming the module and ``attn_logit_softcapping``), for an
+    attention-logit softcapping (Gemma-2; naming the module and ``attn_logit_softcapping``), for
+    chunked attention or position-scaled queries (Llama-4's ``attention_chunk_size``,
+    ``attn_temperature_tuning``: they read the sequence's layout where a rank holds a shard), for an
     unknown method or option, and for a group of the wrong type. On the meta device, a model whose
     test forward cannot run there (gpt-oss' grouped-matmul experts) is checked later: call
     :func:`verify_context_parallel` once its weights are filled (its attention raises until then).
@@ -276,6 +297,9 @@ def apply_context_parallel(model, *, group=None, method: str = "zigzag_ring", **
                          f"{', '.join(allowed)} and sets {', '.join(sorted(_BOUND))} itself")
     layers_name, layers = _decoder_layers(model)
     attention_modules = [_attention_of(f"{layers_name}.{i}", layer) for i, layer in enumerate(layers)]
+    why = _unsupported(model, attention_modules)
+    if why:
+        raise ValueError(why)
     previous = getattr(model.config, "_attn_implementation", None)
     name = _registration_name(group, method, options)
     try:
