@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
       "(default: a small Llama with GQA; initialised from --seed, the same at any world size; byte-level tokens)")
     a("--data", metavar="PATH", help="folder of text files (one document each); with --model also JSONL with a "
       "'text' field or parquet/arrow files (default: the Python standard library's source files)")
-    a("--data-glob", metavar="PATTERN", help="file names to use (default '*.py' for the default data, else '*')")
+    a("--data-glob", metavar="PATTERN", help="file names to use in --data and --eval-data folders (default "
+      "'*.py' for the default data, else '*')")
     a("--seq-len", type=int, default=2048, help="tokens per packed sequence (global, before sharding)")
     a("--batch-size", type=int, help="global sequences per step (default: one per data-parallel rank)")
     a("--context-parallel", "--cp", type=int, default=1, metavar="N",

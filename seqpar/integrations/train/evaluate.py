@@ -51,7 +51,8 @@ def eval_key(cfg, evalset: EvalSet | None) -> dict | None:
 
 def describe(cfg, evalset: EvalSet) -> str:
     """The start line's account of the evaluation."""
-    when = f"every {cfg.eval_every} steps and at the end" if cfg.eval_every else "at the end"
+    every = "every step" if cfg.eval_every == 1 else f"every {cfg.eval_every} steps"
+    when = f"{every} and at the end" if cfg.eval_every else "at the end"
     capped = (f" (all it holds; --eval-batches {evalset.requested} asked for more)"
               if evalset.count < evalset.requested else "")
     return (f"evaluation {when}: {evalset.count} x {cfg.seq_len} tokens of {cfg.eval_data}{capped}, "
