@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..files import fsync_path, replace_dir
+
 __all__ = ["SHARDED_STATE", "check_unsharded", "commit", "load_sharded", "save_sharded", "staging_dir"]
 
 #: the DCP folder inside a checkpoint written under FSDP2
@@ -43,14 +45,6 @@ def staging_dir(final: Path, writer: bool) -> Path:
     return staging
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit(staging: Path, final: Path, writer: bool) -> None:
     """Rename the finished ``staging`` folder to ``final`` once every rank has written its files
     (collective). The files and the parent folder are synced first and after, so the rename is what
@@ -59,16 +53,8 @@ def commit(staging: Path, final: Path, writer: bool) -> None:
     if writer:
         for root, _, files in os.walk(staging):
             for name in files:
-                _fsync(Path(root, name))
-        if final.exists():
-            old = final.parent / f".old-{final.name}"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            staging.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            staging.rename(final)
-        _fsync(final.parent)
+                fsync_path(Path(root, name))
+        replace_dir(staging, final)
     _barrier()
 
 

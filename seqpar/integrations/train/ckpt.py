@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collectives import peer_errors
+from ..files import replace_dir
 
 COMPLETE = "COMPLETE"
 META = "meta.json"
@@ -184,19 +185,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, meta: dict, s
             f.write(f"step {step}\n")
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():  # the same step saved again (e.g. a rerun): replace it
-            old = root / f".old-step_{step:08d}"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        dir_fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        replace_dir(tmp, final)  # (the same step saved again, e.g. a rerun: replaced)
     _barrier()
     return final
 
