@@ -191,16 +191,22 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, meta: dict, s
 
 
 def meta_text(meta: dict) -> str:
-    """``meta`` as strict JSON: the step and evaluation records' non-finite losses and norms as null (the
-    ``--json`` log's convention, :func:`.log.strict_record`); any other non-finite value raises."""
-    from .log import strict_record
+    """``meta`` as strict JSON. The step and evaluation records' non-finite losses and norms are written
+    as their text ("nan", "inf", "-inf"), not null as in the ``--json`` log: a record's None (an fp16
+    step skipped before its norm was taken) must read back as None, and a NaN loss as NaN. A start
+    record's non-finite config value is its text (:func:`.log.strict_record`); any other raises."""
+    from .log import NULLABLE, strict_record
 
-    records = {key: [strict_record(r) for r in meta[key]] for key in ("history", "evals") if key in meta}
+    def record(r: dict) -> dict:
+        return strict_record({k: str(v) if k in NULLABLE and isinstance(v, float) and not math.isfinite(v) else v
+                              for k, v in r.items()})
+
+    records = {key: [record(r) for r in meta[key]] for key in ("history", "evals") if key in meta}
     return json.dumps({**meta, **records}, indent=1, allow_nan=False)
 
 
 def read_meta(path: str | Path) -> dict:
-    """A checkpoint's meta; the records' null losses and norms read back as NaN (non-finite when saved)."""
+    """A checkpoint's meta; the records' non-finite losses and norms ("nan", "inf") read back as floats."""
     from .log import NULLABLE
 
     path = Path(path)
@@ -208,9 +214,10 @@ def read_meta(path: str | Path) -> dict:
         raise ValueError(f"--resume: {path} is not a complete checkpoint (no {COMPLETE} marker)")
     with open(path / META) as f:
         meta = json.load(f)
+    text = ("nan", "inf", "-inf")
     for key in ("history", "evals"):
         if key in meta:
-            meta[key] = [{k: math.nan if k in NULLABLE and v is None else v for k, v in r.items()} for r in meta[key]]
+            meta[key] = [{k: float(v) if k in NULLABLE and v in text else v for k, v in r.items()} for r in meta[key]]
     return meta
 
 
