@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -83,3 +85,17 @@ def world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def case_geometry(lens, method: str, b: int = 2, t: int = 24):
+    """``(b, t, cu_seqlens list or None, extra call kwargs)`` of a test case: dense ``[b, t]`` when
+    ``lens`` is None, else packed documents of these lengths in one row (``cu_seqlens`` as a tensor;
+    a first entry ``"stream"``: the stream layout's ``seqpar.packed_layout(..., split="stream")``)."""
+    if lens is None:
+        return b, t, None, {}
+    stream = lens[0] == "stream"
+    cu = [0, *itertools.accumulate(lens[stream:])]
+    extra = {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+    if stream:
+        extra["cu_seqlens"] = seqpar.packed_layout(cu, method=method, split="stream")
+    return 1, cu[-1], cu, extra

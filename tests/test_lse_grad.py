@@ -17,8 +17,6 @@ plain call; the ring-flash-attention drop-in's lse.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,7 +27,7 @@ from seqpar.methods import DECLARED, head_shards
 from seqpar.softmax.reference import reference_attention, reference_lse
 from seqpar.testing import run_distributed
 
-from dist_utils import BF16_FACTOR, BF16_FLOOR, FP32_TOL, rel_err, world
+from dist_utils import BF16_FACTOR, BF16_FLOOR, FP32_TOL, case_geometry, rel_err, world
 
 METHODS = tuple(m.name for m in DECLARED if m.softmax)
 TIMEOUT = 300
@@ -103,13 +101,7 @@ def _case(method, kw, index, case, only=None):
     causal, window, lens, (hq, hkv, d, dv), with_sinks, lse_only = case
     rank, n = world()
     gen = torch.Generator().manual_seed(17 * n + index)
-    b, t, cu, extra = 2, 24, None, {}
-    if lens is not None:
-        stream = lens[0] == "stream"
-        cu, b = [0, *itertools.accumulate(lens[stream:])], 1
-        t, extra = cu[-1], {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
-        if stream:
-            extra["cu_seqlens"] = seqpar.packed_layout(cu, method=method, split="stream")
+    b, t, cu, extra = case_geometry(lens, method)
     glob = [torch.randn(b, t, h, x, generator=gen) for h, x in ((hq, d), (hkv, d), (hkv, dv))]
     w, u = torch.randn(b, t, hq, dv, generator=gen), torch.randn(b, hq, t, generator=gen)
     sinks = (torch.randn(hq, generator=gen) * 2) if with_sinks else None  # logits of the scores' order

@@ -13,8 +13,6 @@ compiled call; the ring-flash-attention drop-in's ``return_attn_probs`` (one for
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -24,7 +22,7 @@ from seqpar.methods import DECLARED
 from seqpar.softmax.reference import reference_lse
 from seqpar.testing import run_distributed
 
-from dist_utils import FP32_TOL, rel_err, world
+from dist_utils import FP32_TOL, case_geometry, rel_err, world
 
 METHODS = tuple(m.name for m in DECLARED if m.softmax)
 TIMEOUT = 300
@@ -97,13 +95,7 @@ def _batch(method, cases):
     rows = []
     for causal, window, lens, (hq, hkv, d, dv), with_sinks in cases:
         gen = torch.Generator().manual_seed(11 * n + len(rows))
-        b, t, cu, extra = 2, 24, None, {}
-        if lens is not None:
-            stream = lens[0] == "stream"
-            cu, b = [0, *itertools.accumulate(lens[stream:])], 1
-            t, extra = cu[-1], {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
-            if stream:
-                extra["cu_seqlens"] = seqpar.packed_layout(cu, method=method, split="stream")
+        b, t, cu, extra = case_geometry(lens, method)
         glob = [torch.randn(b, t, h, x, generator=gen) for h, x in ((hq, d), (hkv, d), (hkv, dv), (hq, dv))]
         sinks = (torch.randn(hq, generator=gen) * 2) if with_sinks else None  # logits of the scores' order
         local = [seqpar.shard(x, method=method, **kw, **extra) for x in glob]
