@@ -586,5 +586,18 @@ def test_one_process_equals_trainer_and_bad_arguments(folder, tmp_path):
         ours.train(resume_from_checkpoint=str(saved))
 
 
+
+def test_a_save_clears_every_stale_staging_folder(tmp_path):
+    """A run that died while saving leaves its .tmp-checkpoint-N (ignored by resume and rotation); the
+    next save removes it whatever its step, and keeps other folders."""
+    from seqpar.integrations.hf_trainer.checkpoints import staging_dir
+
+    for name in (".tmp-checkpoint-4", ".tmp-checkpoint-7", "checkpoint-2", ".tmp-other"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "file").write_text("x")
+    staging = staging_dir(tmp_path / "checkpoint-6", writer=True)
+    assert staging == tmp_path / ".tmp-checkpoint-6" and not any(staging.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-checkpoint-6", ".tmp-other", "checkpoint-2"]
+
 if __name__ == "__main__":
     _main(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -39,7 +39,11 @@ def staging_dir(final: Path, writer: bool) -> Path:
     ``writer``: this rank creates folders and renames, one per shared file system)."""
     staging = final.parent / f".tmp-{final.name}"
     if writer:
-        shutil.rmtree(staging, ignore_errors=True)  # left by a run that died while saving this step
+        # saves run one at a time: any staging folder still here was left by a run that died while
+        # saving (this step or another), and only this one will ever be renamed into place
+        for stale in final.parent.glob(".tmp-checkpoint-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()
     return staging
