@@ -43,10 +43,11 @@ def kernel_out(dout: torch.Tensor, delta: torch.Tensor, lse: torch.Tensor | None
     return surrogate_out(dout, delta)
 
 
-def shifted_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``delta' = rowsum(dout * out) - dlse`` ``[B, H, T]`` in ``acc`` (fp32, or float64), contiguous."""
+def shifted_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
+    """``delta' = rowsum(dout * out) - dlse`` ``[B, H, T]`` in ``acc`` (fp32, or float64), contiguous
+    (``dlse`` None: delta itself)."""
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
-    return (delta - dlse.to(acc)).contiguous()
+    return (delta if dlse is None else delta - dlse.to(acc)).contiguous()
 
 
 def with_lse_grad(parts: dict, dlse: torch.Tensor, acc: torch.dtype) -> None:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from .foreign import shifted_delta
+
 
 def check_sinks(sinks, q) -> None:
     """ValueError naming ``sinks`` unless it is a float32 tensor ``[Hq]`` on q's device (float64
@@ -65,9 +67,7 @@ def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: 
     ``delta_i = rowsum(dout_i · out'_i)``, minus ``dlse_i`` when the returned lse has a gradient
     ``dlse [B, H, T]`` (``∂lse'_i/∂s_h = p_i``, :mod:`.lse`); ``out``, ``lse`` are the sink-adjusted ones."""
     acc = lse.dtype
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, T]
-    if dlse is not None:
-        delta = delta - dlse.to(acc)
+    delta = shifted_delta(dout, out, dlse, acc)  # [B, H, T]
     seen = torch.isfinite(lse)
     p = torch.exp(sinks.detach().to(acc)[None, :, None] - torch.where(seen, lse, 0.0))
     # where, not a product: padding rows may hold NaN in dout (never read), and must add exactly 0
