@@ -243,6 +243,11 @@ def adaptive_models(cfg: TrainConfig, world: int, model_config):
     return cluster.with_world_size(world), cost
 
 
+def initial_loss_scale(cfg: TrainConfig) -> float:
+    """``--loss-scale-init``, or torch's GradScaler default (2**16)."""
+    return 2.0**16 if cfg.loss_scale_init is None else cfg.loss_scale_init
+
+
 def validate(cfg: TrainConfig, world: int):
     """Every check that needs no process group; raises ValueError naming the flag. Returns the packed data.
 
@@ -344,7 +349,7 @@ def _validate_loss_scale(cfg: TrainConfig) -> None:
     if cfg.loss_scale_init is not None and not low <= cfg.loss_scale_init <= high:
         raise ValueError(f"--loss-scale-init: the scale is held in float32, so it must lie in [{low:.3g}, {high:.3g}] "
                          f"(e.g. 65536); got {cfg.loss_scale_init}")
-    init = 2.0**16 if cfg.loss_scale_init is None else cfg.loss_scale_init
+    init = initial_loss_scale(cfg)
     if cfg.loss_scale_min is not None and not low <= cfg.loss_scale_min <= init:
         raise ValueError(f"--loss-scale-min: expected a scale in [{low:.3g}, --loss-scale-init {init:g}] (default 1), "
                          f"got {cfg.loss_scale_min}; lower it or raise --loss-scale-init")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ...comm.collectives import peer_errors
 from ..hf import IGNORE_INDEX, shard_inputs
-from .config import TrainConfig
+from .config import TrainConfig, initial_loss_scale
 
 
 def token_loss(model, shard, autocast, chunk_size: int | None = None) -> torch.Tensor:
@@ -85,8 +85,7 @@ def check_loss_scale(cfg: TrainConfig, scaler, step: int, history: list[dict]) -
     (default 1, or --loss-scale-init when lower). The scale is the same on every rank (the inf/NaN
     finding is all-reduced), so every rank raises at the same step; ``history``: the step records so
     far (this step's last)."""
-    init = 2.0**16 if cfg.loss_scale_init is None else cfg.loss_scale_init
-    floor = min(1.0, init) if cfg.loss_scale_min is None else cfg.loss_scale_min  # a default below the start
+    floor = min(1.0, initial_loss_scale(cfg)) if cfg.loss_scale_min is None else cfg.loss_scale_min
     if scaler is None or scaler.get_scale() >= floor:
         return
     run = 0
@@ -108,7 +107,7 @@ def make_scaler(cfg: TrainConfig, rt):
     all-reduces the finding, so every rank skips the same steps)."""
     if cfg.dtype != "float16":
         return None
-    init = 2.0**16 if cfg.loss_scale_init is None else cfg.loss_scale_init  # torch's defaults
+    init = initial_loss_scale(cfg)
     # the scaler multiplies by its fp32 scale but reports the Python number until its first scale():
     # rounded here, the first step's record says the factor used (1000.1 -> 1000.0999755859375)
     init = float(torch.tensor(init, dtype=torch.float32))
