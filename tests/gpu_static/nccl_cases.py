@@ -119,10 +119,12 @@ def _expect(t: torch.Tensor, shape, like: torch.Tensor | None = None) -> None:
 
 # ---------------------------------------------------------------------------------------- softmax
 def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = False, usp: str = "flat",
-                  window: int | None = None, hq: int = HQ, sinks: bool = False, traced: bool = False):
+                  window: int | None = None, hq: int = HQ, sinks: bool = False, traced: bool = False,
+                  lse: bool = False):
     """``window``: a sliding window; ``hq``: query heads (5: uneven Ulysses shards, uneven all-to-all
     splits); ``sinks``: a CUDA ``[hq]`` sink tensor that needs a gradient; ``traced``: forward and
-    backward inside ``seqpar.trace`` (the recorder's hooks on the GPU path)."""
+    backward inside ``seqpar.trace`` (the recorder's hooks on the GPU path); ``lse``: ``return_lse=True``
+    with the lse in rank 0's loss only (its gradient's paths; the other ranks' backward gets none)."""
     def drive(run: RankRun) -> None:
         run.phase = "shard"
         group = _group(run, kind)
@@ -150,10 +152,15 @@ def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = Fals
         recorder = seqpar.Trace() if traced else None
         with seqpar.trace(recorder) if traced else contextlib.nullcontext():
             out = seqpar.attention(q, k, v, method=method, causal=True, group=group, cu_seqlens=cu,
-                                   check_ranks=check_ranks, window=window, sinks=s, **opts)
+                                   check_ranks=check_ranks, window=window, sinks=s, return_lse=lse, **opts)
+            out, rows_lse = out if lse else (out, None)
             _expect(out, q.shape, q)
             run.phase = "bwd"
-            out.backward(dout)  # the tape checks every gradient (ds too) against its input's shape and device
+            if rows_lse is not None and run.rank == 0:
+                _expect(rows_lse, (1, hq, q.shape[1]), None)
+                torch.autograd.backward((out, rows_lse), (dout, _tensor(run, *rows_lse.shape)))
+            else:
+                out.backward(dout)  # the tape checks every gradient (ds too) against its input's shape and device
         assert recorder is None or any(e["type"] == "compute" for e in recorder.events), "nothing was traced"
         run.phase = "unshard"
         _expect(seqpar.unshard(out, method=method, group=plain, cu_seqlens=cu, check_ranks=check_ranks, **opts),
@@ -166,6 +173,11 @@ def softmax_drive(method: str, packed: bool, kind: str, check_ranks: bool = Fals
 
 # The attention step loops never wait for the host: no CUDA value is read back while they run.
 _SOFTMAX = {"needs": ("fwd", "bwd"), "host_reads": {"shard": 0, "fwd": 0, "bwd": 0, "unshard": 0}}
+# with return_lse=True a backward reads bools on the host (seqpar.softmax.lse): whether the dlse is zero
+# (once; Ulysses once more on its head shards) and, per query bundle carrying delta, whether a row only delta
+# can carry; at most 1 + N + 1 per rank (measured at N = 4: token_ring 1 + 4, ulysses and usp 3, the others 2)
+READS_LSE = 6
+_SOFTMAX_LSE = {"needs": ("fwd", "bwd"), "host_reads": {"shard": 0, "fwd": 0, "bwd": READS_LSE, "unshard": 0}}
 
 
 # CI runs every method dense on the world; packed, and in subgroups, one method per communication
@@ -212,6 +224,9 @@ def softmax_cases() -> list[Case]:
         for packed in (False, True):
             cases.append(Case(m, "packed" if packed else "dense", "world, 5 heads, sinks",
                               softmax_drive(m, packed, "world", hq=5, sinks=True), ci=not packed, **_SOFTMAX))
+    for m in seqpar.METHODS:  # return_lse=True, the lse in rank 0's loss: delta' in the bundles, Ulysses' dlse
+        cases.append(Case(m, "dense", "world, lse in rank 0's loss", softmax_drive(m, False, "world", lse=True),
+                          ci=m in ("zigzag_ring", "ulysses", "usp"), **_SOFTMAX_LSE))
     for m in seqpar.METHODS:  # the trace recorder's hooks (compute spans, messages, collectives)
         cases.append(Case(m, "dense", "world, traced", softmax_drive(m, False, "world", traced=True),
                           ci=m in ("zigzag_ring", "ulysses"), **_SOFTMAX))
