@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collectives import peer_errors
-from .config import TrainConfig, load_model_config
+from .config import TrainConfig, run_model_config
 from .model_io import local_index
 
 
@@ -64,7 +64,8 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
 
 
 def model_config(cfg: TrainConfig, folder):
-    return folder.config if folder is not None else load_model_config(cfg.model_config)
+    """The config the run builds: ``--model``'s or ``--model-config``'s, with the RoPE flags applied."""
+    return folder.config if folder is not None else run_model_config(cfg)
 
 
 def build_model(cfg: TrainConfig, rt: Runtime, folder, before_shard=None):

@@ -36,6 +36,9 @@ from ..files import replace_dir
 COMPLETE = "COMPLETE"
 META = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# config entries set by --rope-theta, --rope-scaling and --max-position-embeddings
+_ROPE_KEYS = {"rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings",
+              "original_max_position_embeddings"}
 # config entries that do not change the architecture or the math
 _CONFIG_IGNORE = {"_attn_implementation", "_attn_implementation_internal", "attn_implementation", "architectures",
                   "transformers_version", "dtype", "torch_dtype", "use_cache", "output_attentions",
@@ -122,6 +125,11 @@ def check_same_model(meta: dict, current: dict, path: Path) -> None:
     if not diffs and old_shapes != new_shapes:
         names = sorted(set(old_shapes) ^ set(new_shapes)) or [n for n in new_shapes if old_shapes[n] != new_shapes[n]]
         diffs.append(f"parameters differ: {', '.join(names[:5])}")
+    rope = [d for d in diffs if d.split(":")[0] in _ROPE_KEYS]
+    if rope and len(rope) == len(diffs):  # only the RoPE differs: name the flags that set it
+        raise ValueError(f"--resume: {path} was trained with another RoPE ({'; '.join(rope)}); resume with the "
+                         "--rope-theta / --rope-scaling / --max-position-embeddings values it was saved with (the "
+                         "checkpoint's, above), or start a new run with another --save folder")
     if diffs:
         shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
         raise ValueError(f"--resume: {path} was saved from a different model ({shown}); resume with the same "

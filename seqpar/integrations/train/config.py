@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from seqpar.methods import ADAPTIVE_METHODS, METHODS
 
+from . import rope_flags
 from .data import VOCAB_SIZE, PackedSequences, TextFiles, default_data_dir
 
 CHECKPOINTING = ("none", "layer", "attention")
@@ -68,6 +69,9 @@ class TrainConfig:
     eval_data: str | None = None  # held-out documents (same formats as --data); None = no evaluation
     eval_every: int | None = None  # steps between evaluations (None or 0 = only after the last step)
     eval_batches: int | None = None  # sequences evaluated (None = 32, capped at what the data holds)
+    rope_theta: float | None = None  # the RoPE flags (rope_flags.py): applied to the model's config
+    rope_scaling: str | None = None  # a JSON object of RoPE parameters, as given
+    max_position_embeddings: int | None = None
 
     @property
     def data_dir(self) -> str:
@@ -152,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
       "shard over all ranks)")
     a("--loss-chunk", type=int, metavar="TOKENS", help="tokens per chunk of the loss (linear + cross entropy "
       "chunk by chunk, exact; default: 256 MiB of fp32 logits per chunk; 0 = the model's full logits at once)")
+    rope_flags.add_arguments(p)
     a("--crash-at-step", type=int, metavar="K", help=argparse.SUPPRESS)  # fault injection for tests
     return p
 
@@ -168,7 +173,8 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         crash_at_step=ns.crash_at_step, model=ns.model, trust_pickle=ns.trust_pickle, export_hf=ns.export_hf,
         compile=ns.compile, loss_chunk=ns.loss_chunk, replicas=ns.replicas, loss_scale_init=ns.loss_scale_init,
         loss_scale_growth_interval=ns.loss_scale_growth_interval, loss_scale_min=ns.loss_scale_min,
-        eval_data=ns.eval_data, eval_every=ns.eval_every, eval_batches=ns.eval_batches)
+        eval_data=ns.eval_data, eval_every=ns.eval_every, eval_batches=ns.eval_batches, rope_theta=ns.rope_theta,
+        rope_scaling=ns.rope_scaling, max_position_embeddings=ns.max_position_embeddings)
 
 
 # ----------------------------------------------------------------------------- model config
@@ -202,6 +208,11 @@ def load_model_config(path: str | None):
         raise ValueError(f"--model-config: vocab_size {config.vocab_size} is smaller than the byte-level "
                          f"vocabulary ({VOCAB_SIZE}: 256 bytes + BOS, EOS, PAD)")
     return config
+
+
+def run_model_config(cfg: TrainConfig):
+    """The ``--model-config`` (or default) config with the RoPE flags applied (``--model``'s: the folder's)."""
+    return rope_flags.apply(load_model_config(cfg.model_config), cfg)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -296,7 +307,7 @@ def validate(cfg: TrainConfig, world: int):
         if not cfg.adaptive:
             raise ValueError("--calibration: only the adaptive scheduler plans with a cost model; add --adaptive "
                              "(or drop --calibration)")
-        adaptive_models(cfg, world, load_model_config(cfg.model_config))  # a bad file fails here, once
+        adaptive_models(cfg, world, run_model_config(cfg))  # a bad file fails here, once
     if cfg.crash_at_step is not None and not cfg.crash_at_step >= 1:
         raise ValueError("--crash-at-step: expected a step >= 1")
     if cfg.export_hf is not None:
@@ -310,7 +321,7 @@ def validate(cfg: TrainConfig, world: int):
     if cfg.adaptive:  # one forward per group's stream of several sequences: one choice of frequencies for all
         from ..hf.rope import length_dependent_types
 
-        kinds = length_dependent_types(folder.config if folder is not None else load_model_config(cfg.model_config))
+        kinds = length_dependent_types(folder.config if folder is not None else run_model_config(cfg))
         if kinds:
             raise ValueError(f"--adaptive: the model's RoPE ({', '.join(kinds)}) takes its frequencies from the "
                              "longest document of each forward, and --adaptive runs several sequences in one "
@@ -360,14 +371,14 @@ def _validate_loss_scale(cfg: TrainConfig) -> None:
 
 
 def model_folder(cfg: TrainConfig):
-    """The validated ``--model`` folder (:class:`.model_io.ModelFolder`), or None for ``--model-config``
-    (whose config is checked here)."""
+    """The validated ``--model`` folder (:class:`.model_io.ModelFolder`; its config with the RoPE flags
+    applied), or None for ``--model-config`` (whose config is checked here)."""
     if cfg.model is not None and cfg.model_config is not None:
         raise ValueError("--model: takes the config from the folder; drop --model-config (random weights) or --model")
     if cfg.trust_pickle and cfg.model is None:
         raise ValueError("--trust-pickle: only applies to --model DIR")
     if cfg.model is None:
-        load_model_config(cfg.model_config)  # a bad config fails here, once
+        run_model_config(cfg)  # a bad config or RoPE flag fails here, once
         return None
     from .model_io import load_folder
 
@@ -375,7 +386,7 @@ def model_folder(cfg: TrainConfig):
     if folder.tokenizer is None:
         raise ValueError(f"--model: {cfg.model} has no tokenizer (tokenizer.json / tokenizer_config.json); save the "
                          "model's tokenizer into the folder with tokenizer.save_pretrained")
-    return folder
+    return replace(folder, config=rope_flags.apply(folder.config, cfg))
 
 
 def open_data(cfg: TrainConfig, folder):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ...comm.collectives import peer_errors
 from ...comm.launch import launched_by_torchrun, launched_process_group, usable_cores
 from ...comm.pool import WorkerPool
+from . import rope_flags
 from .build import Runtime, build_model, local_bytes, max_over_ranks, model_config, optimizer_bytes, setup_runtime
 from .ckpt import has_scaler, load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
 from .config import (TrainConfig, global_batch, model_folder, open_data, open_eval_data, parse_args, validate,
@@ -202,7 +203,11 @@ def _start(cfg: TrainConfig) -> _Run:
                  f"{data.per_epoch} sequences per epoch, its last {data.unused} tokens unused)")
     if run.evalset is not None:
         run.log.info(describe(cfg, run.evalset))
-    run.log.event({"event": "start", "config": cfg.to_dict(), "world": rt.world, "packed": True,
+    rope = rope_flags.summary(model.config)
+    if rope_flags.given(cfg):
+        run.log.info(f"RoPE set by {', '.join(rope_flags.given(cfg))}: {rope['rope_parameters']}, "
+                     f"max_position_embeddings {rope['max_position_embeddings']}")
+    run.log.event({"event": "start", "config": cfg.to_dict(), "world": rt.world, "packed": True, "rope": rope,
                    "start_step": run.result.start_step, "params": run.num_params, "param_bytes_local": param_bytes})
     return run
 
@@ -254,7 +259,8 @@ def _maybe_save(run: _Run, step: int) -> None:
                 "evals": run.result.evals, "eval_set": eval_key(cfg, run.evalset),
                 "run": {"world": run.rt.world, "context_parallel": cfg.context_parallel,
                         "cp_method": cfg.cp_method, "adaptive": cfg.adaptive, "lr": cfg.lr,
-                        "steps": cfg.steps, "dtype": cfg.dtype, "model": cfg.model}}
+                        "steps": cfg.steps, "dtype": cfg.dtype, "model": cfg.model,
+                        "rope": rope_flags.summary(run.model.config)}}
         path = save_checkpoint(cfg.save, step, run.model, run.optimizer, meta, scaler=run.scaler)
         run.result.checkpoint = str(path)
         run.log.info(f"saved {path}")
