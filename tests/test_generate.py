@@ -205,10 +205,10 @@ def _bad_inputs(path):
     ids, _ = _prompts(model.config.vocab_size, 2, 12)
     apply_context_parallel(model, method="zigzag_ring")
     padded = torch.ones_like(ids)
-    padded[0, :3] = 0
+    padded[0, -3:] = 0  # right padding (left padding works: test_generate_padded.py)
     other = dist.new_group(list(range(dist.get_world_size())))
     calls = {
-        "padding mask": lambda: model.generate(ids, attention_mask=padded, cache=ShardedCache(), max_new_tokens=2),
+        "right padding": lambda: model.generate(ids, attention_mask=padded, cache=ShardedCache(), max_new_tokens=2),
         "other group": lambda: model.generate(ids, cache=ShardedCache(group=other), max_new_tokens=2),
         "not converted": lambda: plain.generate(ids, cache=ShardedCache(), max_new_tokens=2),
         "default cache": lambda: model.generate(ids, cache=DynamicCache(), max_new_tokens=2),
@@ -237,7 +237,7 @@ def test_sampling_same_tokens_on_every_rank(folders):
 
 
 def test_bad_input_raises_on_every_rank(folders):
-    expected = {"padding mask": "attention_mask", "other group": "one ShardedCache per group",
+    expected = {"right padding": "attention_mask", "other group": "one ShardedCache per group",
                 "not converted": "apply_context_parallel", "default cache": "ShardedCache(group=...)",
                 "gradients": "for inference", "bad choice": "prefill='ring'",
                 "no cache": "use_cache=False: generate() on a context-parallel model"}

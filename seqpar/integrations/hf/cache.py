@@ -23,9 +23,24 @@ Every rank passes the whole prompt ``[B, T]`` and gets the whole sequence back. 
   and the global position of each slot; sliding-window layers keep the last ``W - 1`` positions.
   Sinks are applied once, after the combine. ``get_seq_length()`` and the mask sizes are global.
 
-Inference only: a forward with gradients enabled raises (``generate`` disables them). Padding
-masks are refused (batch rows must have equal lengths); ``stats`` (a ``CommStats``) receives the
-bytes this rank sends, phase ``"prefill"`` or ``"decode"``.
+Inference only: a forward with gradients enabled raises (``generate`` disables them). ``stats`` (a
+``CommStats``) receives the bytes this rank sends, phase ``"prefill"`` or ``"decode"``.
+
+**Left padding** (prompts of different lengths in one batch, ``tokenizer.padding_side = "left"``):
+the 2-D ``attention_mask`` of the first call on the cache may start rows with zeros; later calls
+pass the mask of the whole sequence (HF does), with the same leading zeros (:mod:`.cache_hooks`
+checks it and refuses any other mask). Design: the cache keeps one slot per column of the batch,
+pads included, tagged with the column (the slot positions are shared by the batch rows, as the
+layout of one ``[B, S_local, Hkv, D]`` tensor requires), and records each row's pad count
+``pads[b]``. Since pads are a prefix of the row and the slots of a rank are in increasing column
+order, a row's pad slots are a prefix of every rank's slots: every attention of that row starts at
+its first real column (``floors`` of :func:`~.cache_ops.local_partial`), so no query ever sees a
+pad, and what the pads' K,V hold does not matter. Dropping the pads instead (rows as packed
+documents) would give each row its own slot positions on each rank, which one batched tensor per
+layer cannot hold. A padded first call therefore runs as a prefill over an empty cache (zigzag
+layout, K,V or query passing with the floors) rather than the method's own schedule, whose masks
+know token order only. Positions (RoPE) are the ``position_ids`` transformers derives from the
+mask (``cumsum - 1``); the cache uses them as given.
 """
 
 from __future__ import annotations
@@ -66,6 +81,7 @@ class Step:
     positions: list[int]
     member_positions: list[list[int]] | None = None
     keep: int = 0
+    pads: list[int] | None = None  # per batch row: leading pad columns (None: no padding)
     prefill: str | None = None
     combine: str | None = None
 
@@ -225,6 +241,7 @@ class ShardedCache(Cache):
         self.options: dict = {}
         self.model_group = group
         self.history: list[dict] = []
+        self.pads: list[int] | None = None  # per batch row: the leading pad columns of the first call
 
     # ------------------------------------------------------------------ transformers' Cache API
 
@@ -248,10 +265,30 @@ class ShardedCache(Cache):
         for layer in self.layers:
             layer.crop(tokens_to_remove)
         self.length = max(0, self.length + tokens_to_remove)
+        if self.pads is not None:
+            self.pads = [min(p, self.length) for p in self.pads]
 
     def reset(self) -> None:
         super().reset()
         self.length = 0
+        self.pads = None
+
+    def reorder_cache(self, beam_idx) -> None:
+        super().reorder_cache(beam_idx)
+        self._select_pads(torch.as_tensor(beam_idx).flatten())
+
+    def batch_select_indices(self, indices) -> None:
+        super().batch_select_indices(indices)
+        self._select_pads(torch.as_tensor(indices).flatten())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.pads is not None:
+            self.pads = [p for p in self.pads for _ in range(repeats)]
+
+    def _select_pads(self, index: torch.Tensor) -> None:
+        if self.pads is not None:
+            self.pads = [self.pads[i] for i in index.tolist()]
 
     # ------------------------------------------------------------------ seqpar
 
@@ -301,9 +338,11 @@ class ShardedCache(Cache):
         if step is None:
             return
         self.length = step.past + step.new
+        if step.past == 0:
+            self.pads = step.pads
         for layer in self.layers:
             layer.finish(self.length)
-        fresh = step.sharded and step.past == 0
+        fresh = step.sharded and step.past == 0 and not step.pads
         self.history.append({"phase": "prefill" if step.sharded else "decode", "past": step.past, "new": step.new,
                              "prefill": ("method" if fresh else step.prefill) if step.sharded else None,
                              "combine": step.combine})
@@ -319,7 +358,7 @@ class ShardedCache(Cache):
             raise ValueError(f"{name}: ShardedCache serves causal (decoder) attention; this layer is not causal")
         layer = self._layer(layer_idx, window)
         scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
-        if step.sharded and step.past == 0:
+        if step.sharded and step.past == 0 and not step.pads:
             return self._fresh_prefill(layer, step, q, k, v, scale, window, sinks)
         limit = step.past + step.new
         if step.sharded:
@@ -350,7 +389,7 @@ class ShardedCache(Cache):
         """fp32 ``(out, lse)`` of the local rows over every rank's slots."""
         backend = self.options.get("backend")
         n = self.info.size
-        common = dict(scale=scale, window=window, backend=backend, stats=self.stats)
+        common = dict(scale=scale, window=window, backend=backend, stats=self.stats, floors=step.pads)
         if step.sharded:
             if step.prefill is None:
                 step.prefill = self.prefill if self.prefill != "auto" else cache_ops.choose_prefill(
@@ -363,7 +402,7 @@ class ShardedCache(Cache):
             return cache_ops.pass_kv(self.info, q, cache_ops.query_runs(step.positions), layer.keys, layer.values,
                                      layer.positions, **common)
         out, lse = cache_ops.local_partial(q, [(0, step.new, step.past)], layer.keys, layer.values, layer.positions,
-                                           scale=scale, window=window, backend=backend)
+                                           scale=scale, window=window, backend=backend, floors=step.pads)
         if step.combine is None and n == 1:
             step.combine = "none"  # one rank: nothing to combine
         elif step.combine is None:

@@ -4,10 +4,11 @@
 unless the forward receives a ``ShardedCache`` (as ``cache`` or ``past_key_values``).
 
 Before the decoder model's forward (``model.model`` of a ``*ForCausalLM``) on a ShardedCache:
-check the call (no padding mask, no gradients, the cache's group is the model's, every rank the same
-tokens), then for a prefill (more than one new token) replace ``input_ids`` / ``inputs_embeds``
+check the call (a padding mask only on the left, no gradients, the cache's group is the model's,
+every rank the same tokens), then for a prefill (more than one new token) replace ``input_ids`` / ``inputs_embeds``
 ``[B, T_new]`` and ``position_ids`` by this rank's rows, padded at the end to the layout's multiple:
-the method's layout on an empty cache, zigzag over a cached prefix; a decode step (one new token)
+the method's layout on an empty cache, zigzag over a cached prefix or for left-padded rows
+(:mod:`.cache`'s docstring: the pads are never attended to); a decode step (one new token)
 runs on every rank alike. The attention layers find the cache in the forward's kwargs
 (``seqpar_cache``). After it: gather the hidden rows the LM head needs (the last ``logits_to_keep``
 new tokens; every new token when 0) onto every rank with one all-reduce of this rank's rows, and let
@@ -91,14 +92,49 @@ def _pre_hook(binding, base):
     return hook
 
 
-def _check_call(cache: ShardedCache, kwargs: dict, x: torch.Tensor) -> None:
-    """Local checks (no communication): the same verdict on every rank given the same call."""
-    mask = kwargs.get("attention_mask")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.bool().all())):
-        raise ValueError(
-            "attention_mask: a padding mask (zeros in it) or a 4-D mask cannot be applied by context-parallel "
-            "generation: ShardedCache needs batch rows of equal length; generate each prompt length as its own batch "
-            "(or pass no attention_mask)")
+_LEFT = ("pad on the left (tokenizer.padding_side = 'left'), each row with at least one real token, and pass "
+         "the 2-D mask [B, past + new] of 0/1 that the tokenizer and generate() build")
+
+
+def _padding(cache: ShardedCache, mask, x: torch.Tensor) -> list[int] | None:
+    """Each batch row's leading pad columns from the 2-D ``attention_mask`` ``[B, past + new]``
+    (None: no padding). Left padding only (zeros a prefix of each row, at least one 1 per row),
+    given in the first call on the cache; later calls repeat the same leading zeros."""
+    past = cache.length
+    if mask is None:
+        if cache.pads is not None and any(cache.pads) and past > 0:
+            raise ValueError(f"attention_mask: this ShardedCache holds left-padded rows (pads {cache.pads}); pass the "
+                             "attention_mask of the whole sequence (the first call's mask followed by ones), as "
+                             "generate() does")
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        what = f"a {mask.dim()}-D mask" if isinstance(mask, torch.Tensor) else f"a {type(mask).__name__}"
+        raise ValueError(f"attention_mask: {what} cannot be applied by context-parallel generation; {_LEFT}")
+    if tuple(mask.shape) != (x.shape[0], past + x.shape[1]):
+        raise ValueError(f"attention_mask: shape {tuple(mask.shape)}, expected [B, past + new] = "
+                         f"{[x.shape[0], past + x.shape[1]]} (the mask of the whole sequence, cached tokens included)")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(f"attention_mask: values other than 0 and 1; {_LEFT}")
+    real = mask == 1
+    pads = (real.cumsum(1) == 0).sum(1)  # leading zeros per row
+    empty = torch.nonzero(pads == mask.shape[1]).flatten().tolist()
+    if empty:
+        raise ValueError(f"attention_mask: rows {empty} are all zeros (no real token); {_LEFT}")
+    holes = torch.nonzero(real.sum(1) != mask.shape[1] - pads).flatten().tolist()
+    if holes:
+        raise ValueError(f"attention_mask: rows {holes} have zeros after their first real token (right padding or "
+                         f"gaps), which context-parallel generation cannot apply; {_LEFT}")
+    pads = pads.tolist()
+    if past > 0 and pads != (cache.pads or [0] * len(pads)):
+        raise ValueError(f"attention_mask: leading zeros {pads} per row, but this ShardedCache was filled with "
+                         f"{cache.pads or [0] * len(pads)}; padding goes in the first call on a cache, and later calls "
+                         "pass the mask of the whole sequence (the earlier mask followed by ones)")
+    return pads if any(pads) else None
+
+
+def _check_call(cache: ShardedCache, kwargs: dict, x: torch.Tensor) -> list[int] | None:
+    """Local checks (no communication): the same verdict on every rank given the same call.
+    Returns the rows' leading pad columns (None: no padding)."""
     if torch.is_grad_enabled():
         raise ValueError("ShardedCache is for inference: call generate() (it disables gradients) or run the forward "
                          "under torch.no_grad() / torch.inference_mode()")
@@ -107,16 +143,19 @@ def _check_call(cache: ShardedCache, kwargs: dict, x: torch.Tensor) -> None:
                          "pass output_attentions=False")
     if x.dim() < 2 or x.shape[1] == 0:
         raise ValueError(f"input_ids: expected [B, T] with T >= 1 new tokens, got shape {tuple(x.shape)}")
+    return _padding(cache, kwargs.get("attention_mask"), x)
 
 
-def _agree(cache: ShardedCache, x: torch.Tensor) -> None:
-    """One all-reduce (max of x and of -x): every rank must pass the same tokens."""
+def _agree(cache: ShardedCache, x: torch.Tensor, pads: list[int] | None) -> None:
+    """One all-reduce (max of x and of -x): every rank must pass the same tokens (and padding)."""
     flat = x.detach().reshape(-1).to(torch.float64)
+    if pads is not None:
+        flat = torch.cat([flat, torch.tensor(pads, dtype=torch.float64, device=flat.device)])
     both = torch.cat([flat, -flat])
     all_reduce_(cache.info, both, op=torch.distributed.ReduceOp.MAX, stats=cache.stats, name="check_tokens")
     if not torch.equal(both[:flat.numel()], -both[flat.numel():]):
         raise ValueError(
-            "input_ids: the ranks passed different tokens to a context-parallel forward (with sampling: seed every "
+            "input_ids: the ranks passed different tokens (or attention_mask padding) to a context-parallel forward (with sampling: seed every "
             "rank the same, e.g. torch.manual_seed(seed) before generate(), so every rank draws the same tokens)")
 
 
@@ -127,11 +166,11 @@ def _prepare(cache: ShardedCache, binding, kwargs: dict, keep: int) -> None:
     if x is None:
         raise ValueError("input_ids: a forward on a ShardedCache needs input_ids or inputs_embeds")
     cache.discard_unfinished()
-    _check_call(cache, kwargs, x)
+    pads = _check_call(cache, kwargs, x)
     cache.bind(group, method, options)
     if cache.check_tokens and not cache.info.single and x.shape[1] > 0:
         cache.stats.phase = "prefill" if x.shape[1] > 1 else "decode"
-        _agree(cache, x)
+        _agree(cache, x, pads)
     past, new = cache.length, x.shape[1]
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
@@ -139,11 +178,11 @@ def _prepare(cache: ShardedCache, binding, kwargs: dict, keep: int) -> None:
     kwargs["attention_mask"] = None
     kwargs["seqpar_cache"] = cache
     if new == 1:
-        cache.step = Step(past=past, new=new, sharded=False, positions=[past], keep=keep)
+        cache.step = Step(past=past, new=new, sharded=False, positions=[past], keep=keep, pads=pads)
         kwargs["position_ids"] = position_ids
         return
     n, rank = cache.info.size, cache.info.rank
-    if past == 0:
+    if past == 0 and pads is None:
         place = placement(method, group, ulysses_degree=options.get("ulysses_degree"),
                           ring_method_name=options.get("ring_method"))
         multiple = place.layout.multiple(n)
@@ -165,7 +204,7 @@ def _prepare(cache: ShardedCache, binding, kwargs: dict, keep: int) -> None:
     pos = position_ids.index_select(-1, real)
     kwargs["position_ids"] = torch.where(index < new, pos, pos + (index - real))  # padding rows: past the end
     cache.step = Step(past=past, new=new, sharded=True, positions=[past + i for i in local],
-                      member_positions=members, keep=keep)
+                      member_positions=members, keep=keep, pads=pads)
 
 
 def _gather_rows(cache: ShardedCache, step: Step, x: torch.Tensor, first: int) -> torch.Tensor:

@@ -67,34 +67,54 @@ def _slots(pos: torch.Tensor, position: int) -> int:
 
 
 def local_partial(q, runs, k, v, pos, *, scale: float, window: int | None, backend=None,
-                  acc=None) -> tuple[torch.Tensor, torch.Tensor]:
+                  acc=None, floors: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the query rows ``runs`` (``(row, length, position)``) of ``q`` to the slots
     ``k``, ``v`` at host positions ``pos`` (increasing), causal in global order (query p sees slot
     p' <= p, and p' > p - window with a window); merged into ``acc`` (fp32 ``(out, lse)``, new when
     None). Slots every row of a run sees are one contiguous range (one ``"none"`` block, no copy);
     the partly seen ones, above the run's first position and below its last row's window, go by
-    runs of consecutive positions with their :class:`~seqpar.kernels.Band`."""
+    runs of consecutive positions with their :class:`~seqpar.kernels.Band`.
+
+    ``floors`` (one int per batch row, or None): batch row b sees only slots at positions
+    ``>= floors[b]`` (a left-padded row's first real token; its pads lie below). Rows with equal
+    floors side by side are computed together; a query below its row's floor sees no slot
+    (``out = 0``, ``lse = -inf``)."""
     out, lse = acc if acc is not None else new_accumulator(q.shape, q.device, dtype=_acc(q.dtype))
     if pos.numel() == 0:
         return out, lse
+    if not floors or not any(floors):
+        _rows_partial(q, runs, k, v, pos, out, lse, 0, scale, window, backend)
+        return out, lse
+    start = 0
+    for b in range(1, len(floors) + 1):  # batch rows in runs of equal floors: slices are views
+        if b == len(floors) or floors[b] != floors[start]:
+            sl = slice(start, b)
+            _rows_partial(q[sl], runs, k[sl], v[sl], pos, out[sl], lse[sl], floors[start], scale, window, backend)
+            start = b
+    return out, lse
+
+
+def _rows_partial(q, runs, k, v, pos, out, lse, floor: int, scale, window, backend) -> None:
+    """:func:`local_partial` of batch rows that share one ``floor`` (slots below it unseen)."""
+    bottom = _slots(pos, floor) if floor > 0 else 0
     for row, length, first in runs:
         last = first + length - 1
         qr, ao, al = q[:, row:row + length], out[:, row:row + length], lse[:, :, row:row + length]
         any_lo = 0 if window is None else _slots(pos, first - window + 1)  # seen by the first row's window
         all_lo = 0 if window is None else _slots(pos, last - window + 1)  # seen by every row's window
+        any_lo, all_lo = max(any_lo, bottom), max(all_lo, bottom)
         all_hi, any_hi = _slots(pos, first + 1), _slots(pos, last + 1)
         if all_hi > all_lo:
             block_forward_into(ao, al, qr, k[:, all_lo:all_hi], v[:, all_lo:all_hi], scale=scale, mask="none",
                                backend=backend)
             partly = _key_runs(pos, any_lo, all_lo) + _key_runs(pos, all_hi, any_hi)
-        else:  # a window shorter than the run: no slot is seen by every row
+        else:  # a window shorter than the run, or a floor above its first row: no slot is seen by every row
             partly = _key_runs(pos, any_lo, any_hi)
         for slot, n, p0 in partly:
             # query i (position first + i) sees key j (position p0 + j) iff first - p0 - (W-1) <= j - i <= first - p0
             lo = None if window is None else first - p0 - (window - 1)
             block_forward_into(ao, al, qr, k[:, slot:slot + n], v[:, slot:slot + n], scale=scale,
                                mask=Band(lo, first - p0), backend=backend)
-    return out, lse
 
 
 def _pack(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -133,24 +153,26 @@ def combine_replicated(info, out, lse, mode: str, *, stats=None) -> tuple[torch.
     return merged, torch.where(den > 0, top + torch.log(safe), float("-inf"))
 
 
-def pass_q(info, q, member_runs, k, v, pos, *, scale, window, backend=None, stats=None):
+def pass_q(info, q, member_runs, k, v, pos, *, scale, window, backend=None, stats=None, floors=None):
     """Prefill over a cached prefix by passing queries: ``q`` is this rank's ``[B, T_local, Hq, D]``
     (every rank the same T_local), ``member_runs[m]`` the query runs of member m. Returns this
-    rank's rows merged over every rank's slots (fp32 out, lse)."""
+    rank's rows merged over every rank's slots (fp32 out, lse). ``floors``: as for :func:`local_partial`."""
     gathered = all_gather_stack(info, q, stats=stats, name="prefill_q_all_gather")
     parts = torch.stack([_pack(*local_partial(gathered[m], member_runs[m], k, v, pos, scale=scale,
-                                              window=window, backend=backend)) for m in range(info.size)])
+                                              window=window, backend=backend, floors=floors))
+                         for m in range(info.size)])
     received = all_to_all(info, parts, stats=stats, name="prefill_partials_all_to_all")
     return _merge_all(received)
 
 
-def pass_kv(info, q, runs, k, v, pos, *, scale, window, backend=None, stats=None):
+def pass_kv(info, q, runs, k, v, pos, *, scale, window, backend=None, stats=None, floors=None):
     """Prefill over a cached prefix by passing K,V: this rank's slots (``k``, ``v``, host ``pos``)
     travel once around the ring while each rank attends its query ``runs`` to every block in turn.
-    Block sizes differ per rank: one all-gather of the sizes first. Returns fp32 (out, lse)."""
+    Block sizes differ per rank: one all-gather of the sizes first. Returns fp32 (out, lse).
+    ``floors``: as for :func:`local_partial`."""
     acc = new_accumulator(q.shape, q.device, dtype=_acc(q.dtype))
     if info.single:
-        return local_partial(q, runs, k, v, pos, scale=scale, window=window, backend=backend, acc=acc)
+        return local_partial(q, runs, k, v, pos, scale=scale, window=window, backend=backend, acc=acc, floors=floors)
     size = torch.tensor([pos.numel()], dtype=torch.int64, device=k.device)
     sizes = all_gather_stack(info, size, stats=stats, name="prefill_kv_sizes").flatten().tolist()
     block = (k.contiguous(), v.contiguous(), pos.to(k.device))
@@ -165,7 +187,7 @@ def pass_kv(info, q, runs, k, v, pos, *, scale, window, backend=None, stats=None
             recvs = [(b, -1, tag) for tag, b in enumerate(bufs)] if sizes[src_recv] else []
             pending = exchange(info, sends, recvs, stats=stats, name="prefill_kv_ring")
         local_partial(q, runs, block[0], block[1], block[2].cpu(), scale=scale, window=window, backend=backend,
-                      acc=acc)
+                      acc=acc, floors=floors)
         if pending is not None:
             pending.wait()
             block = tuple(bufs)

@@ -1,0 +1,209 @@
+"""Context-parallel ``generate()`` on a left-padded batch (prompts of different lengths, as
+``tokenizer(prompts, padding=True)`` with ``padding_side = "left"`` gives them) equals single-process
+``generate()`` with the same mask.
+
+Models: the real-format folders of tests/model_folders.py (a Llama with GQA 4/2; a gpt-oss with
+sliding-window layers alternating with full ones and sinks) and, in the slow matrix, the Mistral and
+Gemma-3 folders of test_generate.py. Three prompts of different lengths, greedy: the token ids are
+equal and every step's scores within ``REL_TOL`` (1e-4 relative to the largest score, fp32): the
+context-parallel run only reorders fp32 softmax sums (measured up to ~4e-7 here), while a pad that
+is attended to, a wrong position or a lost slot moves scores by 1e-2 or more. A second turn (a few
+more tokens after the generated ones, the mask of the whole sequence) runs on the same cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from model_folders import llama_folder, windowed_folder  # noqa: E402
+from test_generate import REL_TOL, _config_folder, _load, _relative  # noqa: E402
+
+from seqpar.integrations.hf import ShardedCache, apply_context_parallel  # noqa: E402
+from seqpar.testing import run_distributed  # noqa: E402
+
+TEXTS = ["the river", "a curious student walked across the bridge", "in winter the harbour"]
+NEW, TURN = 4, 3
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate_padded")
+    return {"llama": str(llama_folder(root / "llama")), "windowed": str(windowed_folder(root / "windowed"))}
+
+
+def _batch(path):
+    """The three prompts through the folder's own tokenizer, padded on the left."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    enc = tok(TEXTS, padding=True, return_tensors="pt")
+    lengths = enc.attention_mask.sum(1).tolist()
+    assert len(set(lengths)) == 3 and enc.attention_mask[:, 0].tolist().count(0) == 2, lengths  # 2 rows padded
+    return tok, enc
+
+
+def _padded(path, method, prefill, combine, seed, pad_check):
+    """Greedy on the padded batch, then a second turn on the same cache; against the unconverted model.
+    ``pad_check``: also generate with other ids in the pad slots (same mask) on the converted model."""
+    tok, enc = _batch(path)
+    ref, model = _load(path), _load(path)
+    kw = dict(max_new_tokens=NEW, do_sample=False, output_scores=True, return_dict_in_generate=True,
+              pad_token_id=tok.pad_token_id)
+    r1 = ref.generate(**enc, **kw)
+    apply_context_parallel(model, method=method)
+    cache = ShardedCache(prefill=prefill, decode_combine=combine)
+    o1 = model.generate(**enc, cache=cache, **kw)
+    more = torch.randint(4, len(tok), (3, TURN), generator=torch.Generator().manual_seed(seed))
+    ids = torch.cat([r1.sequences, more], 1)
+    mask = torch.cat([enc.attention_mask, enc.attention_mask.new_ones(3, ids.shape[1] - enc.input_ids.shape[1])], 1)
+    r2 = ref.generate(input_ids=ids, attention_mask=mask, cache=r1.cache, **kw)
+    o2 = model.generate(input_ids=ids, attention_mask=mask, cache=cache, **kw)
+    got = {"tokens": torch.equal(o1.sequences, r1.sequences) and torch.equal(o2.sequences, r2.sequences),
+           "scores": _relative(o1.scores + o2.scores, r1.scores + r2.scores), "sequence": o2.sequences,
+           "history": [(h["phase"], h["prefill"], h["combine"]) for h in cache.history], "pads": cache.pads,
+           "expected pads": (enc.attention_mask == 0).sum(1).tolist()}
+    if pad_check:  # other ids (and so other K,V) in the pad slots: nothing the real tokens see changes
+        other = enc.input_ids.masked_fill(enc.attention_mask == 0, 7)
+        o3 = model.generate(input_ids=other, attention_mask=enc.attention_mask, cache=ShardedCache(), **kw)
+        t = enc.input_ids.shape[1]
+        got["pad ids"] = (torch.equal(o3.sequences[:, t:], o1.sequences[:, t:]), _relative(o3.scores, o1.scores))
+    return got
+
+
+def _cases(cases):
+    return [_padded(*case) for case in cases]
+
+
+# (folder, method, prefill, decode combine, seed, pad-id check): both prefill strategies (the first
+# call on a padded batch is itself a prefill over an empty cache), both combines, GQA, windows + sinks
+CASES_2 = [("llama", "zigzag_ring", "pass_kv", "allgather", 0, True), ("windowed", "ring", "pass_q", "tree", 1, True)]
+CASES_3 = [("llama", "ulysses", "pass_q", "tree", 2, False), ("windowed", "zigzag_ring", "pass_kv", "allgather", 3, False)]
+SLOW_METHODS = ["ring", "zigzag_ring", "striped_ring", "allgather_kv", "token_ring", "lightseq", "ulysses", "usp"]
+
+
+def _check(results, cases):
+    for case, per_rank in zip(cases, zip(*results)):
+        for rank, got in enumerate(per_rank):
+            assert got["tokens"] and got["scores"] <= REL_TOL, (case, rank, got["scores"])
+            assert torch.equal(got["sequence"], per_rank[0]["sequence"])  # every rank the same
+            assert got["pads"] == got["expected pads"]
+            if "pad ids" in got:
+                equal, rel = got["pad ids"]
+                assert equal and rel <= 1e-6, (case, rank, rel)  # fp32 rounding at most (measured 0)
+        phases = per_rank[0]["history"]
+        if case[2] != "auto":  # the padded first call and the second turn both used the forced prefill
+            assert [p for p in phases if p[0] == "prefill"] == [("prefill", case[2], None)] * 2, phases
+            assert {p[2] for p in phases if p[0] == "decode"} == {case[3]}, phases
+
+
+def test_padded_batch_matches_single_process_n2(folders):
+    cases = [(folders[c[0]], *c[1:]) for c in CASES_2]
+    _check(run_distributed(_cases, 2, cases, timeout=300), CASES_2)
+
+
+def test_padded_batch_matches_single_process_n3(folders):
+    cases = [(folders[c[0]], *c[1:]) for c in CASES_3]
+    _check(run_distributed(_cases, 3, cases, timeout=300), CASES_3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_padded_batch_every_method_slow(folders, tmp_path, n):
+    extra = {"mistral": _config_folder(tmp_path / "mistral", "mistral"),
+             "gemma3": _config_folder(tmp_path / "gemma3", "gemma3")}
+    names = ["llama", "windowed", "mistral", "gemma3"]
+    cases = [(names[i % 4], m, ("pass_kv", "pass_q", "auto")[i % 3], ("allgather", "tree")[i % 2], i, i % 4 == 0)
+             for i, m in enumerate(SLOW_METHODS)]
+    _check(run_distributed(_cases, n, [({**folders, **extra}[c[0]], *c[1:]) for c in cases], timeout=900), cases)
+
+
+def _sampling(path):
+    tok, enc = _batch(path)
+    ref, model = _load(path), _load(path)
+    kw = dict(max_new_tokens=6, do_sample=True, temperature=0.9, top_p=0.95, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(7)
+    expected = ref.generate(**enc, **kw)
+    apply_context_parallel(model, method="zigzag_ring")
+    torch.manual_seed(7)
+    return torch.equal(model.generate(**enc, cache=ShardedCache(), **kw), expected)
+
+
+def test_padded_sampling_matches_single_process(folders):
+    assert run_distributed(_sampling, 2, folders["llama"], timeout=120) == [True, True]
+
+
+def _bad_masks(path):
+    """Each mask context-parallel generation cannot apply, on every rank: the message (None: no error)."""
+    tok, enc = _batch(path)
+    model = _load(path)
+    apply_context_parallel(model, method="zigzag_ring")
+    ids, good = enc.input_ids, enc.attention_mask
+    right = good.flip(1)
+    hole = torch.ones_like(good)
+    hole[1, 3] = 0
+    empty = good.clone()
+    empty[0] = 0
+    kw = dict(max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
+    cache = ShardedCache()
+    first = model.generate(input_ids=ids, attention_mask=good, cache=cache, **kw)
+    calls = {
+        "right padding": lambda: model.generate(input_ids=ids, attention_mask=right, cache=ShardedCache(), **kw),
+        "hole": lambda: model.generate(input_ids=ids, attention_mask=hole, cache=ShardedCache(), **kw),
+        "all-zero row": lambda: model.generate(input_ids=ids, attention_mask=empty, cache=ShardedCache(), **kw),
+        "4-D": lambda: model(ids, attention_mask=good[:, None, None, :].expand(-1, 1, ids.shape[1], -1),
+                             cache=ShardedCache()),
+        "values": lambda: model(ids, attention_mask=good * 2, cache=ShardedCache()),
+        # the second turn with the padding forgotten (all ones over the cached pads): refused
+        "other pads": lambda: model(first[:, -1:], attention_mask=torch.ones_like(first), cache=cache),
+        "no mask": lambda: model(first[:, -1:], cache=cache),
+    }
+    got = {}
+    for name, call in calls.items():
+        try:
+            with torch.no_grad():
+                call()
+            got[name] = None
+        except ValueError as exc:
+            got[name] = str(exc)
+    return got
+
+
+def test_bad_masks_raise_on_every_rank(folders):
+    for got in run_distributed(_bad_masks, 2, folders["llama"], timeout=180):
+        for name, message in got.items():
+            assert message is not None and message.startswith("attention_mask:"), (name, message)
+        assert "padding_side = 'left'" in got["right padding"] and "padding_side = 'left'" in got["hole"]
+        assert "all zeros" in got["all-zero row"] and "4-D" in got["4-D"]
+        assert "was filled with" in got["other pads"] and "whole sequence" in got["no mask"]
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_local_partial_floors_match_float64(window):
+    """Per-row floors (each batch row's first visible position) against a dense float64 softmax whose
+    mask also hides the slots below the row's floor; rows that see nothing give out 0, lse -inf."""
+    from seqpar.integrations.hf.cache_ops import local_partial, query_runs
+
+    g = torch.Generator().manual_seed(4)
+    pos = torch.tensor(sorted(set(torch.randint(0, 40, (30,), generator=g).tolist())), dtype=torch.int64)
+    rows = list(range(6, 12)) + list(range(30, 36))
+    floors = [0, 9, 9, 31]  # rows 1, 2 alike (computed together); row 3: the first run sees nothing
+    q = torch.randn(4, len(rows), 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(4, pos.numel(), 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out, lse = local_partial(q, query_runs(rows), k, v, pos, scale=0.3, window=window, floors=floors)
+    qp, kp = torch.tensor(rows)[:, None], pos[None, :]
+    for b, floor in enumerate(floors):
+        seen = (kp <= qp) & (kp >= floor) & ((kp > qp - window) if window else True)
+        scores = torch.einsum("qhd,khd->hqk", q[b], k[b].repeat_interleave(2, 1)) * 0.3
+        ref_lse = torch.logsumexp(scores.masked_fill(~seen, float("-inf")), -1)
+        some = seen.any(-1)
+        p = torch.exp(scores.masked_fill(~seen, float("-inf")) - ref_lse[..., None]).nan_to_num(0.0)
+        ref = torch.einsum("hqk,khd->qhd", p, v[b].repeat_interleave(2, 1))
+        assert torch.allclose(out[b, some], ref[some], atol=1e-12) and torch.allclose(lse[b][:, some], ref_lse[:, some])
+        assert torch.all(out[b, ~some] == 0) and torch.all(torch.isneginf(lse[b][:, ~some])), b
+        if floor > 6:  # the case is as described: some rows lie below their floor
+            assert not some.all()
