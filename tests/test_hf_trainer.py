@@ -8,7 +8,8 @@ configurations in sequence (2 ranks: cp 2 with gradient accumulation, ulysses, r
 torch_compile, bad inputs, and a trainer whose gradients are averaged instead of summed, which the
 comparison must catch; 3 ranks: cp 3; 4 ranks: cp 2 x dp 2 under DDP, under FSDP2 (also
 compiled) and from a streaming dataset, cp 4 usp with cp_options={"ulysses_degree": 2}, a bad batch
-in one data-parallel group).
+in one data-parallel group; resumes from the 2-rank runs' checkpoints at cp 4 (DDP) and cp 2 x dp 2
+(FSDP2), and one refused).
 Rank 0 saves the model with ``save_model`` and writes the logged losses and gradient norms; the
 test reloads the saved folder with ``from_pretrained`` and compares with the plain ``Trainer`` run
 in one process on batches ``dp`` times larger (the same examples per optimizer step).
@@ -82,6 +83,12 @@ CONFIGS = {
     # checkpoints: 4 steps straight (dying while saving the last) against 2 + resumed 2
     "cp2_resume": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, resume=True)),
     "cp2_dp2_fsdp2_resume": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, fsdp=True, resume=True)),
+    "cp2_fsdp2_resume": (2, dict(cp=2, method="zigzag_ring", batch=4, ga=2, fsdp=True, resume=True)),
+    # resumed at 4 ranks from the 2-rank runs' checkpoint-2 ("from"): another cp (DDP), another cp x dp with
+    # the same sequences per micro-batch (FSDP2, DCP resharding 2 ranks' shards to 4)
+    "cp4_from_cp2": (4, dict(cp=4, method="zigzag_ring", batch=3, ga=2, resume=True, start="cp2_resume")),
+    "cp2_dp2_fsdp2_from_cp2": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, fsdp=True, resume=True,
+                                       start="cp2_fsdp2_resume")),
     # load_best_model_at_end under FSDP2: the best checkpoint's shards come back into the sharded model
     "cp2_dp2_fsdp2_best": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=1, fsdp=True, best=True)),
 }
@@ -93,6 +100,9 @@ BAD = {
     "bad_eval": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=1, eval="metrics"), "compute_metrics:"),
     "bad_dispatch": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=1, iterable="dispatch"), "dispatch_batches"),
     "bad_one_group": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=1, collator="left_group0"), "refused"),
+    # 2 groups x 3 sequences from a checkpoint of 1 x 3: the data position would be another
+    "bad_resume_batch": (4, dict(cp=2, method="zigzag_ring", batch=3, ga=2, resume=True, start="cp2_resume"),
+                         "resume_from_checkpoint: "),
 }
 
 
@@ -276,7 +286,12 @@ def _main(out_dir: str, folder: str, names: list[str]) -> None:
         world, opts, *_ = table[name]
         out = os.path.join(out_dir, name)
         try:
-            if opts.get("resume"):
+            if opts.get("start"):  # steps 3-4 from a 2-rank run's checkpoint-2
+                start = os.path.join(os.environ["SEQPAR_TEST_START"], opts["start"], "checkpoint-2")
+                losses, trainer = _train(folder, out, dict(opts, resume_from=start), world, cp_trainer=True)
+                trainer.save_model(out)
+                record = {"resumed": losses, "steps": [h["step"] for h in trainer.state.log_history if "loss" in h]}
+            elif opts.get("resume"):
                 record, trainer = _resume(folder, out, opts, world)
                 trainer.save_model(out)
             else:
@@ -318,8 +333,8 @@ def _params(world: int) -> list:
 
 
 def _launch(world: int, names: list[str], out: Path, folder: Path, timeout: float = 420,
-            launcher: str = "torchrun") -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+            launcher: str = "torchrun", start: Path | None = None) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", SEQPAR_TEST_START=str(start), PYTHONPATH=os.pathsep.join(
         [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
@@ -424,6 +439,37 @@ def _assert_resumed(out: Path, name: str, results: dict) -> None:
     print(f"{name}: steps 3-4 losses {record['resumed'][2:4]} equal the straight run's; final weights equal")
 
 
+def _assert_resumed_elsewhere(out: Path, name: str, results: dict, saved: tuple) -> None:
+    """Steps 3-4 resumed at 4 ranks from the 2-rank run's checkpoint-2 (another cp, or cp x dp under FSDP2)
+    against that run's uninterrupted steps 3-4. What must be exact: the examples of each step (the
+    tokens seen, summed over the steps, are equal) and the restored state (weights, AdamW's moments and
+    step counts, the schedule: a lost one moves the loss and the updates by far more than rounding).
+    What may differ: the order of the sums (another cp and dp split the attention, the loss and the
+    gradient reductions otherwise), fp32 rounding, ~1e-7 relative per operation, through two AdamW
+    steps; the bounds of the comparisons with the plain Trainer (LOSS_ATOL on the losses, UPDATE_RTOL on
+    the gradient norms and on the update of every weight from checkpoint-2) hold it. No dropout: the RNG
+    states of ranks 2 and 3, which the 2-rank checkpoint lacks, change nothing here."""
+    from safetensors.torch import load_file
+
+    records = results[name]
+    assert all("error" not in r for r in records), records
+    assert all(r == records[0] for r in records), records
+    got, start = records[0], CONFIGS[name][1]["start"]
+    want = saved[1][start][0]["straight"]
+    assert got["steps"] == [1, 2, 3, 4] and got["resumed"][:2] == want[:2], (got, want)  # restored records
+    assert dict(map(tuple, got["resumed"][4:]))["tokens"] == dict(map(tuple, want[4:]))["tokens"], (got, want)
+    loss_err = max(abs(a[0] - b[0]) for a, b in zip(got["resumed"][2:4], want[2:4]))
+    norm_err = max(abs(a[1] - b[1]) / b[1] for a, b in zip(got["resumed"][2:4], want[2:4]))
+    base = load_file(str(saved[0] / start / "checkpoint-2" / "model.safetensors"))
+    final = load_file(str(saved[0] / start / "straight" / "model.safetensors"))
+    resumed = load_file(str(out / name / "model.safetensors"))
+    update_err = max(float(((resumed[k] - base[k]) - (final[k] - base[k])).norm() / (final[k] - base[k]).norm())
+                     for k in final)
+    print(f"{name}: steps 3-4 from {start}'s checkpoint-2: loss error {loss_err:.2e}, grad_norm error "
+          f"{norm_err:.2e}, update error {update_err:.2e} (relative)")
+    assert loss_err <= LOSS_ATOL and max(norm_err, update_err) <= UPDATE_RTOL, (name, loss_err, norm_err, update_err)
+
+
 def _assert_best_loaded(out: Path, name: str, results: dict) -> None:
     """load_best_model_at_end: the model after training is checkpoint-1's, bit for bit (not step 2's)."""
     from safetensors.torch import load_file
@@ -459,6 +505,7 @@ def test_a_wrong_gradient_scale_is_caught(world2, folder, tmp_path):
 def test_world2_cp2_ddp_resumes_after_a_crash_while_saving(world2):
     out, results = world2
     _assert_resumed(out, "cp2_resume", results)
+    _assert_resumed(out, "cp2_fsdp2_resume", results)
 
 
 @pytest.mark.parametrize("name", [n for n, (w, *_) in BAD.items() if w == 2])
@@ -469,15 +516,20 @@ def test_bad_inputs_raise_on_every_rank(world2, name):
     assert len(records) == 2 and all(expected in r.get("error", "") for r in records), records
 
 
-def test_world4_cp2_dp2_ddp_fsdp2_and_a_bad_group(folder, tmp_path_factory, tmp_path):
+def test_world4_cp2_dp2_ddp_fsdp2_and_a_bad_group(folder, world2, tmp_path_factory, tmp_path):
     out = tmp_path_factory.mktemp("world4")
     names = _names(4)
-    results = _launch(4, names, out, folder)
+    results = _launch(4, names, out, folder, start=world2[0])
+    records = results["bad_resume_batch"]  # 6 sequences per micro-batch from a checkpoint of 3: refused
+    assert all("data-parallel group(s) x per_device_train_batch_size 3 = 3 sequences" in r.get("error", "")
+               for r in records), records
     records = results["bad_one_group"]  # the group with the bad batch names it, the other says why it stops
     assert all("ValueError" in r.get("error", "") for r in records), records
     assert sum("not right-padded" in r["error"] for r in records) == 2, records
     for name in (n for n in names if n in CONFIGS):
-        if CONFIGS[name][1].get("resume"):
+        if CONFIGS[name][1].get("start"):
+            _assert_resumed_elsewhere(out, name, results, world2)
+        elif CONFIGS[name][1].get("resume"):
             _assert_resumed(out, name, results)
         elif CONFIGS[name][1].get("best"):
             _assert_best_loaded(out, name, results)
@@ -585,6 +637,26 @@ def test_one_process_equals_trainer_and_bad_arguments(folder, tmp_path):
     with pytest.raises(ValueError, match="resume_from_checkpoint: .* was saved under FSDP2.* fsdp=True"):
         ours.train(resume_from_checkpoint=str(saved))
 
+
+
+def test_resume_layout_check(tmp_path):
+    """check_layout (in one process; under torchrun: bad_resume_batch): the same sequences per micro-batch
+    at another world, cp and dp pass; another count or accumulation is refused with the size that fits; a
+    checkpoint without the file (the plain Trainer's) is left alone."""
+    from seqpar.integrations.hf_trainer.checkpoints import check_layout, save_layout
+
+    check_layout(tmp_path, world=8, cp=8, batch=1, accumulation=1)  # no context_parallel.json
+    save_layout(tmp_path, world=2, cp=2, batch=4, accumulation=2, fsdp=True)
+    for world, cp, batch in ((4, 4, 4), (4, 2, 2), (8, 2, 1), (1, 1, 4)):
+        check_layout(tmp_path, world=world, cp=cp, batch=batch, accumulation=2)
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint: .* 1 data-parallel group\(s\) x per_device_train"
+                                         r"_batch_size 4 = 4 sequences.*this run takes 2 x 4 = 8.*per_device_train_"
+                                         r"batch_size 2 at this run's 2 data-parallel group"):
+        check_layout(tmp_path, world=4, cp=2, batch=4, accumulation=2)
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint: .*gradient_accumulation_steps 1\. The Trainer"):
+        check_layout(tmp_path, world=2, cp=2, batch=4, accumulation=1)
+    with pytest.raises(ValueError, match=r"a world / context_parallel_size that divides 4"):
+        check_layout(tmp_path, world=3, cp=1, batch=1, accumulation=2)
 
 
 def test_a_save_clears_every_stale_staging_folder(tmp_path):

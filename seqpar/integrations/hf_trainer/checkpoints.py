@@ -10,10 +10,22 @@ rank has finished and the files are synced: a run that dies while saving leaves 
 checkpoint the newest ``checkpoint-*`` (what ``transformers.trainer_utils.get_last_checkpoint`` and
 ``resume_from_checkpoint=True`` take), and the half-written folder, which no ``checkpoint-*`` pattern
 matches, is cleared by the next save of that step.
+
+Another world size: ``context_parallel.json`` records the saving run's layout (world, cp, dp, batch per
+group, gradient accumulation). A resume may change the world, ``context_parallel_size`` and the number
+of data-parallel groups, under DDP (the optimizer state in ``optimizer.pt`` is whole) and FSDP2 (DCP
+reshards the model's and the optimizer's shards), as long as each micro-batch holds as many sequences
+(``dp x per_device_train_batch_size``) with the same ``gradient_accumulation_steps``: the Trainer finds
+its data position by skipping ``global_step x gradient_accumulation_steps`` micro-batches of its own
+size, so only then does the resumed run train on the examples the saved run would have taken next
+(:func:`check_layout` refuses the rest). The RNG states are restored for the process indices the
+checkpoint has; ranks beyond them keep the seed's state, so a model with dropout draws other masks
+than an uninterrupted run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -23,10 +35,13 @@ import torch.distributed as dist
 
 from ..files import fsync_path, replace_dir
 
-__all__ = ["SHARDED_STATE", "check_unsharded", "commit", "load_sharded", "save_sharded", "staging_dir"]
+__all__ = ["LAYOUT", "SHARDED_STATE", "check_layout", "check_unsharded", "commit", "load_sharded", "save_layout",
+           "save_sharded", "staging_dir"]
 
 #: the DCP folder inside a checkpoint written under FSDP2
 SHARDED_STATE = "fsdp2_state"
+#: the saving run's world, context-parallel size, data-parallel groups, batch per group and accumulation
+LAYOUT = "context_parallel.json"
 
 
 def _barrier() -> None:
@@ -110,3 +125,39 @@ def load_sharded(folder: str | Path, model, optimizer=None) -> None:
     state = {"optim": get_optimizer_state_dict(model, optimizer)}  # a fresh optimizer gets its state made here
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def save_layout(folder: str | Path, *, world: int, cp: int, batch: int, accumulation: int, fsdp: bool) -> None:
+    """Write the run's layout into checkpoint ``folder`` (one rank): ``batch`` sequences per data-parallel
+    group in each of ``accumulation`` micro-batches of an optimizer step."""
+    layout = {"world_size": world, "context_parallel_size": cp, "data_parallel_size": world // cp,
+              "per_device_train_batch_size": batch, "gradient_accumulation_steps": accumulation, "fsdp": fsdp}
+    Path(folder, LAYOUT).write_text(json.dumps(layout, indent=1) + "\n")
+
+
+def check_layout(folder: str | Path, *, world: int, cp: int, batch: int, accumulation: int) -> None:
+    """``ValueError`` naming ``resume_from_checkpoint`` (every rank, before any communication; a shared
+    file system) when checkpoint ``folder`` was saved with another number of sequences per micro-batch
+    (``dp x batch``) or another ``gradient_accumulation_steps``: the resumed run would skip another number
+    of examples than were trained and take other batches per step. A checkpoint without the layout file
+    (the plain Trainer's) is left to transformers' own rules."""
+    path = Path(folder, LAYOUT)
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text())
+    was = saved["data_parallel_size"] * saved["per_device_train_batch_size"]
+    dp = world // cp
+    if was == dp * batch and saved["gradient_accumulation_steps"] == accumulation:
+        return
+    fix = (f"per_device_train_batch_size {was // dp} at this run's {dp} data-parallel group(s)" if was % dp == 0 else
+           f"a world / context_parallel_size that divides {was}")
+    raise ValueError(f"resume_from_checkpoint: {folder} was saved by {saved['world_size']} process(es) at "
+                     f"context_parallel_size {saved['context_parallel_size']}: {saved['data_parallel_size']} "
+                     f"data-parallel group(s) x per_device_train_batch_size {saved['per_device_train_batch_size']} = "
+                     f"{was} sequences per micro-batch, gradient_accumulation_steps "
+                     f"{saved['gradient_accumulation_steps']}; this run takes {dp} x {batch} = {dp * batch}, "
+                     f"gradient_accumulation_steps {accumulation}. The Trainer finds its place in the data by "
+                     f"skipping the micro-batches already trained, counted in its own size, so it would train on "
+                     f"other examples; keep {was} sequences per micro-batch ({fix}) and gradient_accumulation_steps "
+                     f"{saved['gradient_accumulation_steps']} (the world and context_parallel_size may change), or "
+                     "start a new run from the checkpoint's model (from_pretrained)")

@@ -40,7 +40,8 @@ from ..hf import IGNORE_INDEX, context_parallel_loss, shard_inputs
 from ..hf.convert import _attention_options
 from ..parallelize import parallelize
 from .batches import agree_eval_loss, agree_label_count, count_labels, pack_batch
-from .checkpoints import check_unsharded, commit, load_sharded, save_sharded, staging_dir
+from .checkpoints import (check_layout, check_unsharded, commit, load_sharded, save_layout, save_sharded,
+                          staging_dir)
 
 __all__ = ["ContextParallelTrainer"]
 
@@ -241,6 +242,7 @@ class ContextParallelTrainer(Trainer):
                 else:
                     self.state.stateful_callbacks[type(cb).__name__] = cb.state()
             self.state.save_to_json(str(staging / "trainer_state.json"))
+            save_layout(staging, **self._layout(), fsdp=bool(self.fsdp_options))
         commit(staging, final, writer=self.args.should_save)
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(final))
@@ -258,11 +260,17 @@ class ContextParallelTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Under FSDP2 the model's shards come from the checkpoint's DCP files; without, a checkpoint
-        saved under FSDP2 is refused (:func:`.checkpoints.check_unsharded`)."""
+        saved under FSDP2 is refused (:func:`.checkpoints.check_unsharded`), and one saved with another
+        number of sequences per micro-batch (:func:`.checkpoints.check_layout`)."""
+        check_layout(resume_from_checkpoint, **self._layout())
         if not self.fsdp_options:
             check_unsharded(resume_from_checkpoint)
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_sharded(resume_from_checkpoint, self.model)
+
+    def _layout(self) -> dict:
+        return dict(world=self.args.world_size, cp=self.context_parallel_size, batch=self._train_batch_size,
+                    accumulation=self.args.gradient_accumulation_steps)
 
     def _load_best_model(self):
         if not self.fsdp_options:
