@@ -33,14 +33,19 @@ REL_TOL = 1e-4  # see the module docstring: measured <= 1.5e-6
 PROMPT, TURN, NEW = 13, 7, 6
 
 
-def _config_folder(path, kind: str) -> str:
+def _config_folder(path, kind: str, tokenizer=None) -> str:
     """A Mistral (a 5-token window on every layer) or Gemma-3 (5-token local layers alternating with
-    global ones) folder of random weights, GQA 4/2."""
+    global ones) folder of random weights, GQA 4/2; with ``tokenizer`` (saved there too) its
+    vocabulary and special ids."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=5, pad_token_id=0,
                   eos_token_id=1, bos_token_id=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+        common.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(0)
     if kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**common))

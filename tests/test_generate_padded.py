@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from model_folders import llama_folder, windowed_folder  # noqa: E402
+from model_folders import llama_folder, tiny_tokenizer, windowed_folder  # noqa: E402
 from test_generate import REL_TOL, _config_folder, _load, _relative  # noqa: E402
 
 from seqpar.integrations.hf import ShardedCache, apply_context_parallel  # noqa: E402
@@ -114,15 +114,16 @@ def test_padded_batch_matches_single_process_n3(folders):
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_padded_batch_every_method_slow(folders, tmp_path, n):
-    extra = {"mistral": _config_folder(tmp_path / "mistral", "mistral"),
-             "gemma3": _config_folder(tmp_path / "gemma3", "gemma3")}
+    extra = {kind: _config_folder(tmp_path / kind, kind, tiny_tokenizer()) for kind in ("mistral", "gemma3")}
     names = ["llama", "windowed", "mistral", "gemma3"]
     cases = [(names[i % 4], m, ("pass_kv", "pass_q", "auto")[i % 3], ("allgather", "tree")[i % 2], i, i % 4 == 0)
              for i, m in enumerate(SLOW_METHODS)]
     _check(run_distributed(_cases, n, [({**folders, **extra}[c[0]], *c[1:]) for c in cases], timeout=900), cases)
 
 
-def _sampling(path):
+def _sampling_and_beams(path):
+    """Seeded sampling, and beam search (the cache's rows repeated and reordered with their pads), on
+    the padded batch: the same sequences as the unconverted model."""
     tok, enc = _batch(path)
     ref, model = _load(path), _load(path)
     kw = dict(max_new_tokens=6, do_sample=True, temperature=0.9, top_p=0.95, pad_token_id=tok.pad_token_id)
@@ -130,11 +131,26 @@ def _sampling(path):
     expected = ref.generate(**enc, **kw)
     apply_context_parallel(model, method="zigzag_ring")
     torch.manual_seed(7)
-    return torch.equal(model.generate(**enc, cache=ShardedCache(), **kw), expected)
+    sampled = torch.equal(model.generate(**enc, cache=ShardedCache(), **kw), expected)
+    beams = dict(num_beams=3, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    beam = torch.equal(ref.generate(**enc, **beams), model.generate(**enc, cache=ShardedCache(), **beams))
+    # rows 2 and 0 kept (batch_select_indices), then a second turn: each keeps its own pads
+    greedy = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                  pad_token_id=tok.pad_token_id)
+    r, o = ref.generate(**enc, **greedy), model.generate(**enc, cache=ShardedCache(), **greedy)
+    keep = torch.tensor([2, 0])
+    r.cache.batch_select_indices(keep)
+    o.cache.batch_select_indices(keep)
+    ids = torch.cat([r.sequences[keep], torch.full((2, 2), 9)], 1)
+    mask = torch.cat([enc.attention_mask[keep], enc.attention_mask.new_ones(2, ids.shape[1] - enc.input_ids.shape[1])], 1)
+    r2 = ref.generate(input_ids=ids, attention_mask=mask, cache=r.cache, **greedy)
+    o2 = model.generate(input_ids=ids, attention_mask=mask, cache=o.cache, **greedy)
+    selected = torch.equal(o2.sequences, r2.sequences) and _relative(o2.scores, r2.scores) <= REL_TOL
+    return sampled, beam, selected
 
 
-def test_padded_sampling_matches_single_process(folders):
-    assert run_distributed(_sampling, 2, folders["llama"], timeout=120) == [True, True]
+def test_padded_sampling_beams_and_row_selection_match_single_process(folders):
+    assert run_distributed(_sampling_and_beams, 2, folders["llama"], timeout=120) == [(True, True, True)] * 2
 
 
 def _bad_masks(path):
@@ -207,3 +223,32 @@ def test_local_partial_floors_match_float64(window):
         assert torch.all(out[b, ~some] == 0) and torch.all(torch.isneginf(lse[b][:, ~some])), b
         if floor > 6:  # the case is as described: some rows lie below their floor
             assert not some.all()
+
+
+def test_cli_generate_several_prompts(folders, tmp_path, capsys):
+    """``seqpar generate --prompt A --prompt B --prompt C --nproc 2``: one batch padded on the left,
+    each prompt's new tokens equal to single-process greedy ``generate()`` on the tokenizer's padded
+    batch; a prompt given by file and one inline cannot be mixed (one flag, repeated)."""
+    import json
+
+    from seqpar.cli import main
+
+    report = tmp_path / "report.json"
+    argv = ["generate", "--model", folders["llama"], "--nproc", "2", "--max-new-tokens", str(NEW), "--json",
+            str(report), "--no-progress", "--prefill", "pass_q"]
+    assert main(argv + [a for text in TEXTS for a in ("--prompt", text)]) == 0
+    got, printed = json.loads(report.read_text()), capsys.readouterr().out
+    tok, enc = _batch(folders["llama"])
+    ref = _load(folders["llama"]).generate(**enc, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id)
+    t = enc.input_ids.shape[1]
+    assert [o["new_tokens"] for o in got["outputs"]] == ref[:, t:].tolist()  # no eos among them: nothing cut
+    assert [o["prompt_tokens"] for o in got["outputs"]] == enc.attention_mask.sum(1).tolist()
+    assert got["new_tokens"] == ref[0, t:].tolist() and got["choices"][0]["prefill"] == "pass_q"
+    assert "--- prompt 3 of 3" in printed and "3 prompts in one batch" in printed
+    files = []
+    for i, text in enumerate(TEXTS[:2]):
+        files += ["--prompt-file", str(tmp_path / f"p{i}.txt")]
+        (tmp_path / f"p{i}.txt").write_text(text)
+    with pytest.raises(SystemExit):
+        main(argv + files + ["--prompt", TEXTS[2]])
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -2,7 +2,9 @@
 
 Launch: ``--nproc N`` spawns N local CPU ranks (gloo, :class:`seqpar.comm.pool.WorkerPool`); under
 ``torchrun`` the launched ranks are used; ``--nproc 1`` runs in this process. Sampling draws the same
-tokens on every rank because every rank seeds torch with ``--seed`` (the cache checks it).
+tokens on every rank because every rank seeds torch with ``--seed`` (the cache checks it). Several
+prompts (``--prompt`` or ``--prompt-file`` given more than once) are generated as one batch padded
+on the left (the tokenizer's ``pad``), as ``ShardedCache`` takes prompts of different lengths.
 """
 
 from __future__ import annotations
@@ -25,16 +27,18 @@ from ...methods import METHODS
 from ..hf import ShardedCache, apply_context_parallel
 from ..hf.cache import COMBINE_MODES, PREFILL_MODES
 
-__all__ = ["GenerateConfig", "GenerateResult", "generate_main", "parse_args", "prompt_ids", "run"]
+__all__ = ["GenerateConfig", "GenerateResult", "generate_main", "parse_args", "prompt_batch", "prompt_ids", "run"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateConfig:
+    """``prompt_file`` / ``prompt``: one or several (a str or a tuple); several run as one batch."""
+
     model: str
-    prompt_file: str | None = None
-    prompt: str | None = None
+    prompt_file: tuple[str, ...] | str | None = None
+    prompt: tuple[str, ...] | str | None = None
     chat: bool = False
     system: str | None = None
     nproc: int = 1
@@ -52,10 +56,18 @@ class GenerateConfig:
     json: str | None = None
     progress: bool = True
 
+    def __post_init__(self):
+        for name in ("prompt_file", "prompt"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
+
 
 @dataclasses.dataclass
 class GenerateResult:
-    """What rank 0 reports: the generated text and token ids, the timings and the sizes per rank."""
+    """What rank 0 reports: the generated text and token ids, the timings and the sizes per rank.
+    ``text``, ``new_tokens`` and ``prompt_tokens`` are the first prompt's; ``outputs`` holds them for
+    every prompt, in order (several prompts: one batch). ``decode_tokens_per_s`` counts every row's
+    tokens."""
 
     text: str
     new_tokens: list[int]
@@ -69,6 +81,7 @@ class GenerateResult:
     decode_comm_bytes_per_token: float
     choices: list[dict]
     decode_combine: list[str] = dataclasses.field(default_factory=list)
+    outputs: list[dict] = dataclasses.field(default_factory=list)
 
 
 def parse_args(argv: list[str]) -> GenerateConfig:
@@ -77,8 +90,10 @@ def parse_args(argv: list[str]) -> GenerateConfig:
         "(seqpar.integrations.hf.ShardedCache inside transformers' generate())."))
     p.add_argument("--model", required=True, help="local transformers folder (config.json, safetensors, tokenizer)")
     given = p.add_mutually_exclusive_group(required=True)
-    given.add_argument("--prompt-file", help="text file holding the prompt")
-    given.add_argument("--prompt", help="the prompt itself (short prompts; long ones: --prompt-file)")
+    given.add_argument("--prompt-file", action="append", help="text file holding the prompt; give it again for "
+                       "more prompts, generated as one batch padded on the left")
+    given.add_argument("--prompt", action="append", help="the prompt itself (short prompts; long ones: "
+                       "--prompt-file); give it again for more prompts, generated as one batch padded on the left")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the tokenizer's "
                    "chat template, with the assistant's turn opened (instruction-tuned models)")
     p.add_argument("--system", help="with --chat: a system message before the user's")
@@ -90,7 +105,7 @@ def parse_args(argv: list[str]) -> GenerateConfig:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="torch seed of every rank (sampling)")
-    p.add_argument("--prefill", default="auto", choices=PREFILL_MODES, help="prefill over a cached prefix")
+    p.add_argument("--prefill", default="auto", choices=PREFILL_MODES, help="prefill over a cached prefix (and of a batch of several prompts, padded on the left)")
     p.add_argument("--decode-combine", default="auto", choices=COMBINE_MODES)
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
@@ -105,8 +120,9 @@ def parse_args(argv: list[str]) -> GenerateConfig:
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model {a.model}: no config.json there; pass a local transformers model folder "
                 "(config.json, weights, tokenizer files)")
-    if a.prompt_file is not None and not Path(a.prompt_file).is_file():
-        p.error(f"--prompt-file {a.prompt_file}: no such file; pass a text file holding the prompt")
+    for name in a.prompt_file or ():
+        if not Path(name).is_file():
+            p.error(f"--prompt-file {name}: no such file; pass a text file holding the prompt")
     if a.system is not None and not a.chat:
         p.error("--system: a system message needs --chat (the chat template places it)")
     return GenerateConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(GenerateConfig)})
@@ -169,21 +185,43 @@ class _Progress:
             self.bar.stop()
 
 
-def prompt_ids(cfg: GenerateConfig, tok) -> torch.Tensor:
-    """The prompt's token ids ``[1, T]``: the text of ``--prompt`` / ``--prompt-file``, tokenized as it
-    is or, with ``--chat``, as a user message (after ``--system``'s) in the tokenizer's chat template
-    with the assistant's turn opened."""
-    text = cfg.prompt if cfg.prompt is not None else Path(cfg.prompt_file).read_text()
+def prompt_ids(cfg: GenerateConfig, tok) -> list[list[int]]:
+    """Each prompt's token ids: the text of ``--prompt`` / ``--prompt-file`` (in order), tokenized as
+    it is or, with ``--chat``, as a user message (after ``--system``'s) in the tokenizer's chat
+    template with the assistant's turn opened."""
+    texts = list(cfg.prompt) or [Path(name).read_text() for name in cfg.prompt_file]
     if not cfg.chat:
-        return tok(text, return_tensors="pt").input_ids
+        return [tok(text).input_ids for text in texts]
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"--chat: the tokenizer in {cfg.model} has no chat template (tokenizer_config.json's "
                          "'chat_template' or chat_template.jinja); drop --chat to use the text as it is")
-    messages = ([{"role": "system", "content": cfg.system}] if cfg.system is not None else []) + [
-        {"role": "user", "content": text}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                  return_tensors="pt")["input_ids"]
-    return torch.as_tensor(ids).reshape(1, -1)
+    system = [{"role": "system", "content": cfg.system}] if cfg.system is not None else []
+    return [torch.as_tensor(tok.apply_chat_template(system + [{"role": "user", "content": text}],
+                                                    add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"]).flatten().tolist()
+            for text in texts]
+
+
+def prompt_batch(cfg: GenerateConfig, tok) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` ``[B, T]``, one row per prompt, padded on the left to the
+    longest by the tokenizer's ``pad`` (the mask's zeros mark the pads)."""
+    rows = prompt_ids(cfg, tok)
+    if len({len(r) for r in rows}) == 1:  # nothing to pad
+        ids = torch.tensor(rows, dtype=torch.long)
+        return ids, torch.ones_like(ids)
+    if tok.pad_token_id is None:
+        raise ValueError(f"--prompt: prompts of different lengths are padded, but the tokenizer in {cfg.model} has "
+                         "no pad token; set one (tokenizer.pad_token) in the folder, or give one prompt per run")
+    enc = tok.pad({"input_ids": rows}, padding=True, padding_side="left", return_attention_mask=True,
+                  return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _new_tokens(row: list[int], eos) -> list[int]:
+    """A row's generated ids up to its first end-of-sequence token (generate() pads finished rows)."""
+    stops = set([eos] if isinstance(eos, int) else eos or [])
+    ends = [i for i, t in enumerate(row) if t in stops]
+    return row[:ends[0] + 1] if ends else row
 
 
 @contextlib.contextmanager
@@ -217,7 +255,7 @@ def _rank_main(cfg: GenerateConfig) -> GenerateResult | None:
         model = AutoModelForCausalLM.from_pretrained(folder.path, dtype=DTYPES[cfg.dtype]).to(device).eval()
     apply_context_parallel(model, group=group, method=cfg.method)
     tok = folder.tokenizer
-    ids = prompt_ids(cfg, tok).to(device)
+    ids, mask = (t.to(device) for t in prompt_batch(cfg, tok))
     cache = ShardedCache(group=group, prefill=cfg.prefill, decode_combine=cfg.decode_combine, stats=CommStats())
     kw = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.sample, pad_token_id=tok.pad_token_id)
     if cfg.sample:
@@ -226,12 +264,17 @@ def _rank_main(cfg: GenerateConfig) -> GenerateResult | None:
     progress = _Progress(cfg.max_new_tokens, cfg.progress and info.rank == 0)
     start = time.perf_counter()
     try:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, streamer=progress, **kw)
+        out = model.generate(ids, attention_mask=mask, cache=cache, streamer=progress, **kw)
     finally:
         progress.end()
     end = time.perf_counter()
     first = progress.first or end
-    new = out[0, ids.shape[1]:].tolist()
+    eos = model.generation_config.eos_token_id
+    outputs = [{"prompt_tokens": int(m.sum()), "new_tokens": _new_tokens(row[ids.shape[1]:].tolist(), eos)}
+               for row, m in zip(out, mask)]
+    for o in outputs:
+        o["text"] = tok.decode(o["new_tokens"], skip_special_tokens=True)
+    steps, new = out.shape[1] - ids.shape[1], outputs[0]["new_tokens"]
     sizes = torch.tensor([cache.kv_bytes()], dtype=torch.int64)
     if info.size > 1:
         sizes = torch.zeros(info.size, dtype=torch.int64)
@@ -241,18 +284,24 @@ def _rank_main(cfg: GenerateConfig) -> GenerateResult | None:
     if info.rank != 0:
         return None
     return GenerateResult(
-        text=tok.decode(new, skip_special_tokens=True), new_tokens=new, prompt_tokens=int(ids.shape[1]),
+        text=outputs[0]["text"], new_tokens=new, prompt_tokens=outputs[0]["prompt_tokens"],
         ranks=info.size, method=cfg.method, prefill_s=first - start,
-        decode_tokens_per_s=(len(new) - 1) / (end - first) if len(new) > 1 and end > first else 0.0,
+        decode_tokens_per_s=ids.shape[0] * (steps - 1) / (end - first) if steps > 1 and end > first else 0.0,
         kv_bytes_per_rank=sizes.tolist(), prefill_comm_bytes=comm["prefill_bytes"],
         decode_comm_bytes_per_token=comm["decode_bytes_per_token"],
         choices=[{k: v for k, v in h.items() if v is not None} for h in cache.history if h["phase"] == "prefill"],
-        decode_combine=sorted({h["combine"] for h in cache.history if h["combine"]}))
+        decode_combine=sorted({h["combine"] for h in cache.history if h["combine"]}), outputs=outputs)
 
 
 def _print(r: GenerateResult) -> None:
-    print(r.text)
-    print(f"--- {r.prompt_tokens} prompt tokens, {len(r.new_tokens)} new, {r.ranks} rank(s), method {r.method}")
+    if len(r.outputs) > 1:
+        for i, o in enumerate(r.outputs):
+            print(f"--- prompt {i + 1} of {len(r.outputs)}: {o['prompt_tokens']} tokens, {len(o['new_tokens'])} new")
+            print(o["text"])
+        print(f"--- {len(r.outputs)} prompts in one batch (padded on the left), {r.ranks} rank(s), method {r.method}")
+    else:
+        print(r.text)
+        print(f"--- {r.prompt_tokens} prompt tokens, {len(r.new_tokens)} new, {r.ranks} rank(s), method {r.method}")
     print(f"prefill {r.prefill_s:.3f} s; decode {r.decode_tokens_per_s:.2f} tokens/s")
     print("KV bytes per rank: " + ", ".join(f"{b:,}" for b in r.kv_bytes_per_rank)
           + f" (total {sum(r.kv_bytes_per_rank):,})")
