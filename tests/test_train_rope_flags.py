@@ -6,7 +6,8 @@ loss visibly) trained at cp 2 (2 gloo ranks, FSDP2) with ``--rope-theta 300``, w
 (factor 4 from 16 positions, ``--max-position-embeddings 64``) and a "dynamic" one (frequencies from the
 sequence's length, made the same on both ranks by hf/rope.py): the first step's loss
 equals the float64 loss of the plain transformers model loaded from the folder with the same change made
-to its config by hand, and differs from the unchanged model's. The run's ``--json`` start line and its
+to its config by hand, and differs from the unchanged model's; so does a Gemma-3 folder's (one RoPE per
+layer type) with --rope-scaling keyed by layer type. The run's ``--json`` start line and its
 checkpoint record the values; ``--export-hf`` writes a config that ``from_pretrained`` reads back to the
 same RoPE, and the exported model's float64 loss is the run's; a resume with other values is refused,
 naming the flags; bad values fail before any rank starts, naming the flag.
@@ -189,6 +190,38 @@ def test_resume_with_other_values_is_refused(folders, runs):
 def test_bad_values_fail_before_any_rank_starts(folders, flags, match):
     with pytest.raises(ValueError, match=match):
         train(_args(folders, "bad", *flags))
+
+
+def test_per_layer_type_rope_at_cp2_equals_transformers(folders):
+    """A tiny Gemma-3 folder (one sliding-window layer with its own RoPE, one full-attention layer):
+    --rope-scaling keyed by layer type (the full layers linear x4, the sliding ones another base) at cp 2
+    equals the float64 transformers model with the same nested rope_parameters set by hand."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tmp = folders
+    tok = tiny_tokenizer()
+    config = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                              sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                              max_position_embeddings=64, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    _save(model, tmp / "gemma3", tok, False)
+    scaling = {"full_attention": {"rope_type": "linear", "factor": 4.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+    argv = [a if a != str(tmp / "model") else str(tmp / "gemma3")
+            for a in _args(tmp, "gemma3", "--context-parallel", 2, "--rope-scaling", json.dumps(scaling))]
+    got = run_distributed(_run, 2, argv, timeout=300)[0][0][0]["loss"]
+    want = _loss(tmp / "gemma3", tmp, {"full_attention": {**scaling["full_attention"], "rope_theta": 1e6},
+                                       "sliding_attention": scaling["sliding_attention"]})
+    plain = _loss(tmp / "gemma3", tmp)
+    print(f"gemma3 step-1 loss {got!r}, float64 {want!r}, unchanged {plain!r}")
+    assert abs(got - want) <= REF_RTOL * want and abs(want - plain) > CHANGE * plain
 
 
 def test_per_layer_type_rope(tmp_path):
