@@ -245,3 +245,20 @@ def test_per_layer_type_rope(tmp_path):
     got = model_config(cfg, None).rope_parameters
     assert got["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}
     assert got["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def test_phi3_longrope_keeps_the_given_original_length():
+    """Phi-3's config holds original_max_position_embeddings outside rope_parameters too, and transformers'
+    standardisation copies that one in: the flag's value must land in both (else 16 would replace 64)."""
+    from transformers import Phi3Config
+
+    from seqpar.integrations.train import rope_flags
+    from seqpar.integrations.train.config import parse_args
+
+    config = Phi3Config(hidden_size=32, num_attention_heads=4, max_position_embeddings=256,
+                        original_max_position_embeddings=16)
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": [1.0] * 4,
+               "long_factor": [1.0, 2.0, 3.0, 4.0]}
+    got = rope_flags.apply(config, parse_args(["--rope-scaling", json.dumps(scaling)]))
+    assert got.rope_parameters == {**scaling, "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+    assert got.original_max_position_embeddings == 64 and config.original_max_position_embeddings == 16
