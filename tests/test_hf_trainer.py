@@ -636,6 +636,17 @@ def test_one_process_equals_trainer_and_bad_arguments(folder, tmp_path):
     (saved / "fsdp2_state").mkdir()
     with pytest.raises(ValueError, match="resume_from_checkpoint: .* was saved under FSDP2.* fsdp=True"):
         ours.train(resume_from_checkpoint=str(saved))
+    # saved by 2 groups of 3 sequences: refused before anything loads; with ignore_data_skip (the data from
+    # its beginning) the layout is not checked, and the FSDP2 refusal above comes next
+    (saved / "context_parallel.json").write_text(json.dumps(
+        {"world_size": 4, "context_parallel_size": 2, "data_parallel_size": 2, "per_device_train_batch_size": 3,
+         "gradient_accumulation_steps": 2, "fsdp": True}))
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint: .* per_device_train_batch_size 3 = 6 sequences"
+                                         r" .*this run takes 1 x 3 = 3"):
+        ours.train(resume_from_checkpoint=str(saved))
+    ours.args.ignore_data_skip = True
+    with pytest.raises(ValueError, match="resume_from_checkpoint: .* was saved under FSDP2"):
+        ours.train(resume_from_checkpoint=str(saved))
 
 
 

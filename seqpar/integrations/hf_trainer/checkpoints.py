@@ -18,9 +18,9 @@ reshards the model's and the optimizer's shards), as long as each micro-batch ho
 (``dp x per_device_train_batch_size``) with the same ``gradient_accumulation_steps``: the Trainer finds
 its data position by skipping ``global_step x gradient_accumulation_steps`` micro-batches of its own
 size, so only then does the resumed run train on the examples the saved run would have taken next
-(:func:`check_layout` refuses the rest). The RNG states are restored for the process indices the
-checkpoint has; ranks beyond them keep the seed's state, so a model with dropout draws other masks
-than an uninterrupted run.
+(:func:`check_layout` refuses the rest, unless ``ignore_data_skip`` starts the data again). The RNG
+states are restored for the process indices the checkpoint has; ranks beyond them keep the seed's
+state, so a model with dropout draws other masks than an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -159,5 +159,6 @@ def check_layout(folder: str | Path, *, world: int, cp: int, batch: int, accumul
                      f"gradient_accumulation_steps {accumulation}. The Trainer finds its place in the data by "
                      f"skipping the micro-batches already trained, counted in its own size, so it would train on "
                      f"other examples; keep {was} sequences per micro-batch ({fix}) and gradient_accumulation_steps "
-                     f"{saved['gradient_accumulation_steps']} (the world and context_parallel_size may change), or "
-                     "start a new run from the checkpoint's model (from_pretrained)")
+                     f"{saved['gradient_accumulation_steps']} (the world and context_parallel_size may change), set "
+                     "ignore_data_skip=True to start the data from its beginning, or start a new run from the "
+                     "checkpoint's model (from_pretrained)")

@@ -261,8 +261,10 @@ class ContextParallelTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Under FSDP2 the model's shards come from the checkpoint's DCP files; without, a checkpoint
         saved under FSDP2 is refused (:func:`.checkpoints.check_unsharded`), and one saved with another
-        number of sequences per micro-batch (:func:`.checkpoints.check_layout`)."""
-        check_layout(resume_from_checkpoint, **self._layout())
+        number of sequences per micro-batch (:func:`.checkpoints.check_layout`; with ``ignore_data_skip`` the
+        data starts again from the beginning, and any batch size may follow)."""
+        if not self.args.ignore_data_skip:
+            check_layout(resume_from_checkpoint, **self._layout())
         if not self.fsdp_options:
             check_unsharded(resume_from_checkpoint)
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
