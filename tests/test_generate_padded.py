@@ -3,7 +3,8 @@
 ``generate()`` with the same mask.
 
 Models: the real-format folders of tests/model_folders.py (a Llama with GQA 4/2; a gpt-oss with
-sliding-window layers alternating with full ones and sinks) and, in the slow matrix, the Mistral and
+sliding-window layers alternating with full ones and sinks), a GPT-2 (learned absolute positions:
+the positions transformers derives from the mask matter) and, in the slow matrix, the Mistral and
 Gemma-3 folders of test_generate.py. Three prompts of different lengths, greedy: the token ids are
 equal and every step's scores within ``REL_TOL`` (1e-4 relative to the largest score, fp32): the
 context-parallel run only reorders fp32 softmax sums (measured up to ~4e-7 here), while a pad that
@@ -29,10 +30,30 @@ TEXTS = ["the river", "a curious student walked across the bridge", "in winter t
 NEW, TURN = 4, 3
 
 
+def _gpt2_folder(path) -> str:
+    """A GPT-2 (learned absolute positions: the one kind of model whose outputs change when a padded
+    row's positions are counted from its first column instead of its first real token; RoPE only
+    sees differences) with the tiny tokenizer, random weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = tiny_tokenizer(path)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                       bos_token_id=tok.bos_token_id))
+    with torch.no_grad():  # larger than the default init: logits far from uniform
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate_padded")
-    return {"llama": str(llama_folder(root / "llama")), "windowed": str(windowed_folder(root / "windowed"))}
+    return {"llama": str(llama_folder(root / "llama")), "windowed": str(windowed_folder(root / "windowed")),
+            "gpt2": _gpt2_folder(root / "gpt2")}
 
 
 def _batch(path):
@@ -81,7 +102,8 @@ def _cases(cases):
 
 # (folder, method, prefill, decode combine, seed, pad-id check): both prefill strategies (the first
 # call on a padded batch is itself a prefill over an empty cache), both combines, GQA, windows + sinks
-CASES_2 = [("llama", "zigzag_ring", "pass_kv", "allgather", 0, True), ("windowed", "ring", "pass_q", "tree", 1, True)]
+CASES_2 = [("llama", "zigzag_ring", "pass_kv", "allgather", 0, True), ("windowed", "ring", "pass_q", "tree", 1, True),
+           ("gpt2", "zigzag_ring", "pass_q", "allgather", 4, False)]
 CASES_3 = [("llama", "ulysses", "pass_q", "tree", 2, False), ("windowed", "zigzag_ring", "pass_kv", "allgather", 3, False)]
 SLOW_METHODS = ["ring", "zigzag_ring", "striped_ring", "allgather_kv", "token_ring", "lightseq", "ulysses", "usp"]
 
