@@ -84,11 +84,16 @@ CONFIGS = {
     "cp2_resume": (2, dict(cp=2, method="zigzag_ring", batch=3, ga=2, resume=True)),
     "cp2_dp2_fsdp2_resume": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, fsdp=True, resume=True)),
     "cp2_fsdp2_resume": (2, dict(cp=2, method="zigzag_ring", batch=4, ga=2, fsdp=True, resume=True)),
-    # resumed at 4 ranks from the 2-rank runs' checkpoint-2 ("from"): another cp (DDP), another cp x dp with
+    # resumed at 4 ranks from the 2-rank runs' checkpoint-2 ("start"): another cp (DDP), another cp x dp with
     # the same sequences per micro-batch (FSDP2, DCP resharding 2 ranks' shards to 4)
     "cp4_from_cp2": (4, dict(cp=4, method="zigzag_ring", batch=3, ga=2, resume=True, start="cp2_resume")),
     "cp2_dp2_fsdp2_from_cp2": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=2, fsdp=True, resume=True,
                                        start="cp2_fsdp2_resume")),
+    "cp4_fsdp2_from_cp2": (4, dict(cp=4, method="ulysses", batch=4, ga=2, fsdp=True, resume=True,
+                                   start="cp2_fsdp2_resume", slow=True)),
+    # to a smaller world: 2 ranks from the 4-rank FSDP2 checkpoint (own test, after a 4-rank launch)
+    "cp2_fsdp2_from_cp2_dp2": (2, dict(cp=2, method="zigzag_ring", batch=4, ga=2, fsdp=True, resume=True,
+                                       start="cp2_dp2_fsdp2_resume", slow=True, alone=True)),
     # load_best_model_at_end under FSDP2: the best checkpoint's shards come back into the sharded model
     "cp2_dp2_fsdp2_best": (4, dict(cp=2, method="zigzag_ring", batch=2, ga=1, fsdp=True, best=True)),
 }
@@ -323,7 +328,8 @@ SLOW = os.environ.get("SEQPAR_SLOW") == "1"
 
 def _names(world: int) -> list[str]:
     table = {**CONFIGS, **BAD}
-    return [n for n, (w, opts, *_) in table.items() if w == world and (SLOW or not opts.get("slow"))]
+    return [n for n, (w, opts, *_) in table.items()
+            if w == world and (SLOW or not opts.get("slow")) and not opts.get("alone")]
 
 
 def _params(world: int) -> list:
@@ -440,15 +446,15 @@ def _assert_resumed(out: Path, name: str, results: dict) -> None:
 
 
 def _assert_resumed_elsewhere(out: Path, name: str, results: dict, saved: tuple) -> None:
-    """Steps 3-4 resumed at 4 ranks from the 2-rank run's checkpoint-2 (another cp, or cp x dp under FSDP2)
-    against that run's uninterrupted steps 3-4. What must be exact: the examples of each step (the
+    """Steps 3-4 resumed from another world's checkpoint-2 (another cp, or cp x dp under FSDP2) against
+    that run's uninterrupted steps 3-4. What must be exact: the examples of each step (the
     tokens seen, summed over the steps, are equal) and the restored state (weights, AdamW's moments and
     step counts, the schedule: a lost one moves the loss and the updates by far more than rounding).
     What may differ: the order of the sums (another cp and dp split the attention, the loss and the
     gradient reductions otherwise), fp32 rounding, ~1e-7 relative per operation, through two AdamW
     steps; the bounds of the comparisons with the plain Trainer (LOSS_ATOL on the losses, UPDATE_RTOL on
     the gradient norms and on the update of every weight from checkpoint-2) hold it. No dropout: the RNG
-    states of ranks 2 and 3, which the 2-rank checkpoint lacks, change nothing here."""
+    states of the ranks a checkpoint lacks change nothing here."""
     from safetensors.torch import load_file
 
     records = results[name]
@@ -535,6 +541,16 @@ def test_world4_cp2_dp2_ddp_fsdp2_and_a_bad_group(folder, world2, tmp_path_facto
             _assert_best_loaded(out, name, results)
         else:
             _assert_equal(folder, tmp_path, out, name, results)
+
+
+@pytest.mark.slow
+def test_fsdp2_resumes_at_a_smaller_world(folder, tmp_path_factory):
+    """FSDP2's 4-rank checkpoint (cp 2 x dp 2) resumed by 2 ranks (cp 2, the same 4 sequences per
+    micro-batch): DCP gathers 4 ranks' shards into 2; steps 3-4 against the uninterrupted 4-rank run."""
+    out4, out2 = tmp_path_factory.mktemp("saved4"), tmp_path_factory.mktemp("resumed2")
+    saved = _launch(4, ["cp2_dp2_fsdp2_resume"], out4, folder)
+    results = _launch(2, ["cp2_fsdp2_from_cp2_dp2"], out2, folder, start=out4)
+    _assert_resumed_elsewhere(out2, "cp2_fsdp2_from_cp2_dp2", results, (out4, saved))
 
 
 def test_world3_cp3(folder, tmp_path_factory, tmp_path):
