@@ -119,7 +119,8 @@ def _padding(cache: ShardedCache, mask, x: torch.Tensor) -> list[int] | None:
     pads = (real.cumsum(1) == 0).sum(1)  # leading zeros per row
     empty = torch.nonzero(pads == mask.shape[1]).flatten().tolist()
     if empty:
-        raise ValueError(f"attention_mask: rows {empty} are all zeros (no real token); {_LEFT}")
+        raise ValueError(f"attention_mask: rows {empty} are all zeros (no real token; with generate(prefill_chunk_size"
+                         f"=...), make the chunks longer than the padding); {_LEFT}")
     holes = torch.nonzero(real.sum(1) != mask.shape[1] - pads).flatten().tolist()
     if holes:
         raise ValueError(f"attention_mask: rows {holes} have zeros after their first real token (right padding or "
