@@ -15,7 +15,8 @@ backend forced (``--backends``):
 - the first call of each (backend, block) timed apart (cuDNN builds a graph per shape, Triton and
   FlashAttention-4 compile per configuration), then the median of CUDA-event timings after warm-up,
   each queued behind ``gpu_kernel_times.hold`` (the GPU's time, not the host's launch), and TFLOP/s
-  on the visible pairs (:func:`seqpar.tracing.block_flops`);
+  on the visible pairs (:func:`seqpar.tracing.block_flops`); a Triton row also records the autotune
+  configuration each kernel ran (:func:`seqpar.kernels.triton_attention.tuned_configs`);
 - correctness on the device against float64 (:func:`check_backend`): a query chunk against two key
   chunks (the previous one unmasked, its own causal), each a forced block call, merged with
   :func:`seqpar.kernels.merge_` like a ring's two steps; then both backwards from the merged out /
@@ -116,7 +117,12 @@ def _time_one(call, name, flop, args, timed) -> dict:
         t = timed(lambda: call(name), args.warmup, args.reps)
     except (RuntimeError, ValueError, NotImplementedError) as exc:  # refused or failed: recorded
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    return {**t, "first_ms": first, "tflops": flop / (t["median_ms"] * 1e-3) / 1e12}
+    row = {**t, "first_ms": first, "tflops": flop / (t["median_ms"] * 1e-3) / 1e12}
+    if name == "triton":  # which autotune configuration ran (the backward: dq's and dk/dv's)
+        from seqpar.kernels.triton_attention import tuned_configs
+
+        row["configs"] = tuned_configs()
+    return row
 
 
 def _dense64(q, k, v, visible, scale):

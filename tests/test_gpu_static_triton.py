@@ -80,7 +80,8 @@ def _describe(rows) -> str:
 def _check(rows) -> None:
     """The targets: 0 compile errors, 0 kept configurations above the GPU's shared memory, the
     pruning's estimate an upper bound of every compiled size, 0 spills on sm_90 for the kept fp16 /
-    bf16 configurations with D <= 128."""
+    bf16 configurations with D <= 128, and on sm_90 every fp16 / bf16 attention-kernel variant with
+    a kept configuration on wgmma (the autotuner can only pick what the table offers)."""
     errors = [r for r in rows if r["status"] == "compile error"]
     assert not errors, "compile errors:\n" + _describe(errors)
     over = [r for r in rows if r["status"] == "smem over limit"]
@@ -90,6 +91,23 @@ def _check(rows) -> None:
     spills = [r for r in rows if r["arch"] == "sm_90" and r["dtype"] in ("bf16", "fp16") and r["D"] <= 128
               and r["status"] == "ok" and r["config"] != "-" and r["spill_bytes"]]
     assert not spills, "default fp16/bf16 configurations spill on sm_90:\n" + _describe(spills)
+    slow = ampere_only(rows)
+    assert not slow, "variants with no kept configuration on Hopper's wgmma:\n" + "\n".join(slow)
+
+
+def ampere_only(rows) -> list[str]:
+    """The sm_90 fp16 / bf16 attention-kernel variants (kernel, case, dtype, D) none of whose kept
+    configurations compiles to wgmma: every one would run Ampere's mma.sync on a Hopper GPU (as the
+    dk/dv kernel at D = 128 did while its table held BLOCK_N = 32 only)."""
+    from gpu_static import aot
+
+    groups: dict[tuple, set] = {}
+    for r in rows:
+        if (r["arch"] == "sm_90" and r["dtype"] in ("bf16", "fp16") and r["kernel"] in aot.KERNELS
+                and r["status"] == "ok"):
+            groups.setdefault((r["kernel"], r["case"], r["dtype"], r["D"]), set()).add(r["mma"])
+    return [" ".join(map(str, key)) + f": {sorted(kinds)}" for key, kinds in groups.items()
+            if "wgmma" not in kinds]
 
 
 @aot_only
@@ -204,6 +222,30 @@ def test_pruner_leaves_out_what_spills_in_one_variant_only(monkeypatch):
     assert tiles(IS_VARLEN=True, HAS_WINDOW=True) == full - {(64, 64, 4, 3)}
     for meta in ({}, {"IS_VARLEN": True, "HAS_WINDOW": False}, {"IS_VARLEN": False, "HAS_WINDOW": True}):
         assert tiles(**meta) == full
+
+
+def test_hopper_dkdv_configurations_offered_on_sm90_only_and_in_table_order(monkeypatch):
+    """The dk/dv kernel's wgmma configurations at D = 128 (:data:`tt.HOPPER_ONLY`) are offered on
+    sm_90 first, in the table's order (the autotuner's list is the union of every table); on sm_80
+    and sm_89 (where they spill and run mma.sync) not at all; the causal variants leave out 16x128
+    with 2 stages (spills on sm_90), the others keep it."""
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in tt.all_configs("dkdv")]
+    q = torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16)
+    hopper = [c for c in tt.table("dkdv", 2, 128) if ("dkdv", "half", 128, c) in tt.HOPPER_ONLY]
+    assert hopper == [(16, 128, 8, 2), (16, 128, 8, 1), (16, 64, 8, 2)]
+
+    def kept(arch, **meta):
+        monkeypatch.setattr(tt, "device_target", lambda device: tt.Target.of(arch))
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                for c in tt.pruner("dkdv")(configs, {"Q": q}, BLOCK_D=128, **meta)]
+
+    assert kept(90) == tt.table("dkdv", 2, 128)
+    for meta in ({"IS_CAUSAL": True}, {"IS_CAUSAL": True, "IS_VARLEN": True, "HAS_WINDOW": True}):
+        assert kept(90, **meta) == [c for c in tt.table("dkdv", 2, 128) if c != (16, 128, 8, 2)]
+    for arch in (80, 89):
+        assert kept(arch) == [c for c in tt.table("dkdv", 2, 128) if c not in hopper]
+    assert tt.HOPPER_ONLY.isdisjoint({("dkdv", "half", 64, c) for c in tt.table("dkdv", 2, 64)})
 
 
 def test_device_target_reads_the_device(monkeypatch):

@@ -76,6 +76,17 @@ _dq_kernel = _autotune("dq", kern_bwd.attn_bwd_dq_kernel)
 _dkdv_kernel = _autotune("dkdv", kern_bwd.attn_bwd_dkdv_kernel)
 
 
+def tuned_configs() -> dict[str, str | None]:
+    """The configuration the autotuner ran last for each attention kernel (``"fwd"``, ``"dq"``,
+    ``"dkdv"``) as ``"BLOCK_MxBLOCK_N wW sS"``, ``None`` for one not launched yet: what the kernel
+    benchmark records next to a time (Triton keeps it on the autotuner; nothing is stored here)."""
+    def name(tuner) -> str | None:
+        c = getattr(tuner, "best_config", None)
+        return None if c is None else f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+
+    return {"fwd": name(_fwd_kernel), "dq": name(_dq_kernel), "dkdv": name(_dkdv_kernel)}
+
+
 def _require(reason: str | None) -> None:
     if reason is not None:
         raise ValueError(f"triton attention: {reason}")

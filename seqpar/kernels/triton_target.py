@@ -99,7 +99,8 @@ CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int, int, int]]]] = {
     },
     "dkdv": {
         ("half", 64): [(32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 3), (32, 32, 4, 3)],
-        ("half", 128): [(64, 32, 8, 3), (32, 32, 8, 3), (32, 32, 4, 3)],
+        ("half", 128): [(16, 128, 8, 2), (16, 128, 8, 1), (16, 64, 8, 2),
+                        (64, 32, 8, 3), (32, 32, 8, 3), (32, 32, 4, 3)],
         ("half", 256): [(64, 32, 8, 3), (32, 32, 8, 3), (32, 32, 8, 2)],
         ("fp32", 64): [(32, 32, 8, 2), (16, 32, 4, 2)],
         ("fp32", 128): [(16, 32, 4, 2), (32, 16, 8, 2)],
@@ -108,12 +109,33 @@ CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int, int, int]]]] = {
 }
 KERNEL_TITLES = {"fwd": "forward", "dq": "dq", "dkdv": "dk/dv"}
 
-# Configurations left out of one kernel variant because ptxas spills there (ahead-of-time compilation,
-# tests/test_gpu_static_triton.py): the packed dq kernel with a window (IS_VARLEN and HAS_WINDOW, as
-# packed dispatch launches it for windowed documents) at 64x64 with 4 warps reaches the 255-register
-# cap for fp16 / bf16 D = 128 and spills 4 B per thread on sm_90; the other configurations of the table
-# do not. Keyed by (kernel, "half" | "fp32", table bound of D, IS_VARLEN, HAS_WINDOW).
-SPILLING: dict[tuple, frozenset] = {("dq", "half", 128, True, True): frozenset({(64, 64, 4, 3)})}
+# Hopper's tensor-core instruction (wgmma) needs 64 rows per warpgroup in the first operand of a dot;
+# the dk/dv kernel's first operand is its BLOCK_N keys, so at D = 128 its last three configurations
+# (BLOCK_N = 32: the largest that fit the registers next to the fp32 dK, dV at 4 warps) compile to
+# Ampere's mma.sync on sm_90 (the ahead-of-time suite records the instruction per variant). The first
+# three take BLOCK_N = 64 / 128 over 8 warps with 16 query rows per step: wgmma, without spills on
+# sm_90 at 160-255 registers for GROUP 1, 2 and 4, every mask and path (16x128 with 2 stages except
+# the causal variants, see SPILLING). On sm_80 / sm_89 they spill and run mma.sync, so they are
+# offered on sm_90 and later only (HOPPER_ONLY); the autotuner times them against the others there.
+# They come first in the table so that the ahead-of-time suite's first-configuration cases compile
+# one of them on sm_90.
+HOPPER_ONLY: frozenset = frozenset({("dkdv", "half", 128, c) for c in ((16, 128, 8, 2), (16, 128, 8, 1),
+                                                                      (16, 64, 8, 2))})
+
+# Configurations left out of some kernel variants because ptxas spills there (ahead-of-time
+# compilation, tests/test_gpu_static_triton.py), keyed by (kernel, "half" | "fp32", table bound of D,
+# IS_VARLEN, HAS_WINDOW, IS_CAUSAL); the other variants keep them:
+# - the packed dq kernel with a window (as packed dispatch launches it for windowed documents) at
+#   64x64 with 4 warps reaches the 255-register cap for fp16 / bf16 D = 128 and spills 4 B per thread
+#   on sm_90;
+# - the causal dk/dv kernel at 16x128 with 2 stages (its two masked spans beside the unmasked one)
+#   spills 4-72 B per thread on sm_90 for GROUP >= 2, dense, packed and windowed.
+_CAUSAL_DKDV = frozenset({(16, 128, 8, 2)})
+SPILLING: dict[tuple, frozenset] = {
+    **{("dq", "half", 128, True, True, causal): frozenset({(64, 64, 4, 3)}) for causal in (False, True)},
+    **{("dkdv", "half", 128, varlen, window, True): _CAUSAL_DKDV for varlen in (False, True)
+       for window in (False, True)},
+}
 
 
 def all_configs(kernel: str) -> list[tuple[int, int, int, int]]:
@@ -158,9 +180,14 @@ def smem_estimate(kernel: str, cfg: tuple[int, int, int, int], block_d: int, ele
 
 
 def fitting(kernel: str, elem_bytes: int, block_d: int, target: Target | None):
-    """The configurations of the table that fit ``target`` (all of them when ``target`` is None)."""
-    return [c for c in table(kernel, elem_bytes, block_d)
-            if target is None or smem_estimate(kernel, c, block_d, elem_bytes, target.arch) <= target.smem]
+    """The configurations of the table that fit ``target``'s shared memory and are offered on its
+    architecture (:data:`HOPPER_ONLY`); all of them when ``target`` is None."""
+
+    def offered(c) -> bool:
+        return (smem_estimate(kernel, c, block_d, elem_bytes, target.arch) <= target.smem
+                and (target.arch >= 90 or _key(kernel, elem_bytes, block_d, c) not in HOPPER_ONLY))
+
+    return [c for c in table(kernel, elem_bytes, block_d) if target is None or offered(c)]
 
 
 def no_fit_reason(kernels, elem_bytes: int, block_d: int, target: Target | None) -> str | None:
@@ -176,23 +203,31 @@ def no_fit_reason(kernels, elem_bytes: int, block_d: int, target: Target | None)
 
 def _spilling(kernel: str, elem_bytes: int, block_d: int, constexprs: dict) -> frozenset:
     """The :data:`SPILLING` configurations of this launch's variant (never all of its table)."""
+    variant = tuple(bool(constexprs.get(name)) for name in ("IS_VARLEN", "HAS_WINDOW", "IS_CAUSAL"))
+    return SPILLING.get(_key(kernel, elem_bytes, block_d)[:3] + variant, frozenset())
+
+
+def _key(kernel: str, elem_bytes: int, block_d: int, *config) -> tuple:
+    """(kernel, "half" | "fp32", the table bound of ``block_d``, *config): the keys of
+    :data:`SPILLING` and :data:`HOPPER_ONLY`."""
     width = "fp32" if elem_bytes == 4 else "half"
     bound = next(b for b in sorted(b for w, b in CONFIGS[kernel] if w == width) if b >= block_d)
-    return SPILLING.get((kernel, width, bound, bool(constexprs.get("IS_VARLEN")), bool(constexprs.get("HAS_WINDOW"))),
-                        frozenset())
+    return (kernel, width, bound, *config)
 
 
 def pruner(kernel: str):
     """``early_config_prune`` for ``triton.autotune``: keep the configurations of the table for the
-    launch's dtype and BLOCK_D that fit the device of its first tensor argument."""
+    launch's dtype and BLOCK_D that fit the device of its first tensor argument, in the table's order
+    (less what spills in this variant, :data:`SPILLING`)."""
 
     def prune(configs, named_args, **kwargs):
         q = next(iter(named_args.values()))
         elem, block_d = q.element_size(), kwargs["BLOCK_D"]
         target = device_target(q.device)
-        keep = set(fitting(kernel, elem, block_d, target)) - _spilling(kernel, elem, block_d, kwargs)
-        kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
-                                       c.num_stages) in keep]
+        skip = _spilling(kernel, elem, block_d, kwargs)
+        order = [c for c in fitting(kernel, elem, block_d, target) if c not in skip]
+        tiles = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
+        kept = [tiles[t] for t in order if t in tiles]  # in the table's order
         if not kept:  # the wrappers refuse such a case before launching; never launch what cannot fit
             raise ValueError(f"triton attention: {no_fit_reason([kernel], elem, block_d, target)}")
         return kept

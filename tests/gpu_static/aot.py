@@ -36,7 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = ("kernel", "arch", "dtype", "D", "case", "config", "registers", "smem_bytes", "smem_estimate",
-          "spill_bytes", "status", "seconds", "error")
+          "spill_bytes", "mma", "status", "seconds", "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +221,18 @@ _REGS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores")
 
 
+def mma_kind(ptx: str) -> str:
+    """The tensor-core instructions of a kernel's PTX: ``wgmma`` (Hopper's warpgroup MMA, sm_90's
+    fast path), ``mma`` (``mma.sync``, Ampere's instruction: on sm_90 it leaves much of the tensor
+    cores' rate unused), ``none`` (no tensor cores: fp32 IEEE dots, or no dot at all)."""
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    return "mma" if "mma.sync" in ptx else "none"
+
+
 def compile_variant(fn, arch: int, signature, constexprs, attrs, options) -> dict:
-    """Compile for ``sm_<arch>``; registers, spill bytes (stores) and shared memory per block."""
+    """Compile for ``sm_<arch>``; registers, spill bytes (stores), shared memory per block and the
+    tensor-core instructions (:func:`mma_kind`)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -236,7 +246,7 @@ def compile_variant(fn, arch: int, signature, constexprs, attrs, options) -> dic
     if regs is None or spills is None:
         raise RuntimeError(f"no ptxas resource lines in the log: {log.getvalue()[-500:]!r}")
     return dict(registers=int(regs.group(1)), spill_bytes=int(spills.group(1)),
-                smem_bytes=int(kernel.metadata.shared))
+                smem_bytes=int(kernel.metadata.shared), mma=mma_kind(kernel.asm["ptx"]))
 
 
 KERNELS = {"attn_fwd_kernel": "fwd", "attn_bwd_dq_kernel": "dq", "attn_bwd_dkdv_kernel": "dkdv"}
@@ -282,7 +292,7 @@ def _compile_result(key: str, spec) -> dict:
     try:
         res = dict(compile_variant(*spec), error="")
     except Exception as e:  # noqa: BLE001 - reported per variant; the tests fail on any
-        res = dict(registers=None, spill_bytes=None, smem_bytes=None,
+        res = dict(registers=None, spill_bytes=None, smem_bytes=None, mma=None,
                    error=f"{type(e).__name__}: {str(e)[:3000]}")
     return dict(res, key=key, seconds=round(time.perf_counter() - t0, 2))
 
@@ -365,7 +375,7 @@ def run_cases(cases: list[Case], workers: int = 2, timeout: float = 3600,
     from seqpar.kernels.triton_target import SMEM_PER_BLOCK
 
     rows = []
-    missing = dict(registers=None, smem_bytes=None, spill_bytes=None, seconds=None, error="")
+    missing = dict(registers=None, smem_bytes=None, spill_bytes=None, mma=None, seconds=None, error="")
     for use in uses:
         row = use | (missing if use["key"] is None else results[use["key"]])
         if row.get("refused"):

@@ -103,6 +103,9 @@ def summary(rows: list[dict]) -> list[str]:
     under = [r for r in rows if None not in (r["smem_estimate"], r["smem_bytes"])
              and r["smem_estimate"] < r["smem_bytes"]]
     listed = "; ".join(f"{k} {a} {dt} D={d} {c}: {b} B" for b, k, a, dt, d, c in spills) or "none"
+    on_mma = sorted({(r["kernel"], r["dtype"], r["D"], r["case"]) for r in default if r["mma"] == "mma"})
+    groups = {(r["kernel"], r["dtype"], r["D"], r["case"]) for r in default}
+    no_wgmma = groups - {(r["kernel"], r["dtype"], r["D"], r["case"]) for r in default if r["mma"] == "wgmma"}
     return [
         (f"- {len(rows)} rows (case x variant), {len(kept)} of them configurations the pruning keeps; "
          f"{sum(r['status'] == 'refused' for r in rows)} cases refused."),
@@ -113,6 +116,9 @@ def summary(rows: list[dict]) -> list[str]:
          f"{sum(bool(r['spill_bytes']) for r in default)} with spills."),
         (f"- Kept variants that spill ({len(spills)}, bytes of spill stores per thread, largest "
          f"first): {listed}."),
+        (f"- sm_90, fp16/bf16, D <= 128: {len(groups)} kernel variants (kernel, dtype, D, case); "
+         f"{len(on_mma)} with a kept configuration on Ampere's mma.sync, {len(no_wgmma)} with none on "
+         "Hopper's wgmma (column `mma`)."),
     ]
 
 
@@ -141,8 +147,10 @@ def header(title: str, command: str, seconds: float) -> str:
         ("Shared memory per block: sm_90 232,448 B, sm_80 166,912 B, sm_89 101,376 B. `smem_bytes`: "
          "the compiled kernel's shared memory; `smem_estimate`: the bound the autotune pruning uses "
          "(`seqpar.kernels.triton_target.smem_estimate`); `spill_bytes`: ptxas's spill stores per "
-         "thread. Status `pruned` / `pruned (fits)`: dropped by the pruning for that GPU (and whether "
-         "the compiled kernel would in fact have fitted)."),
+         "thread; `mma`: the tensor-core instruction in the PTX (`wgmma`: Hopper's; `mma`: Ampere's "
+         "mma.sync; `none`). Status `pruned` / `pruned (fits)`: dropped by the pruning for that GPU "
+         "(not offered there, or above its shared memory; and whether the compiled kernel would in fact "
+         "have fitted)."),
     ])
 
 
