@@ -104,7 +104,8 @@ def _cases(cases):
 # call on a padded batch is itself a prefill over an empty cache), both combines, GQA, windows + sinks
 CASES_2 = [("llama", "zigzag_ring", "pass_kv", "allgather", 0, True), ("windowed", "ring", "pass_q", "tree", 1, True),
            ("gpt2", "zigzag_ring", "pass_q", "allgather", 4, False)]
-CASES_3 = [("llama", "ulysses", "pass_q", "tree", 2, False), ("windowed", "zigzag_ring", "pass_kv", "allgather", 3, False)]
+CASES_3 = [("llama", "ulysses", "pass_q", "tree", 2, False),
+           ("windowed", "zigzag_ring", "pass_kv", "allgather", 3, False)]
 SLOW_METHODS = ["ring", "zigzag_ring", "striped_ring", "allgather_kv", "token_ring", "lightseq", "ulysses", "usp"]
 
 
@@ -164,7 +165,8 @@ def _sampling_and_beams(path):
     r.cache.batch_select_indices(keep)
     o.cache.batch_select_indices(keep)
     ids = torch.cat([r.sequences[keep], torch.full((2, 2), 9)], 1)
-    mask = torch.cat([enc.attention_mask[keep], enc.attention_mask.new_ones(2, ids.shape[1] - enc.input_ids.shape[1])], 1)
+    ones = enc.attention_mask.new_ones(2, ids.shape[1] - enc.input_ids.shape[1])
+    mask = torch.cat([enc.attention_mask[keep], ones], 1)
     r2 = ref.generate(input_ids=ids, attention_mask=mask, cache=r.cache, **greedy)
     o2 = model.generate(input_ids=ids, attention_mask=mask, cache=o.cache, **greedy)
     selected = torch.equal(o2.sequences, r2.sequences) and _relative(o2.scores, r2.scores) <= REL_TOL

@@ -105,7 +105,8 @@ def parse_args(argv: list[str]) -> GenerateConfig:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="torch seed of every rank (sampling)")
-    p.add_argument("--prefill", default="auto", choices=PREFILL_MODES, help="prefill over a cached prefix (and of a batch of several prompts, padded on the left)")
+    p.add_argument("--prefill", default="auto", choices=PREFILL_MODES,
+                   help="prefill over a cached prefix (and of a batch of several prompts, padded on the left)")
     p.add_argument("--decode-combine", default="auto", choices=COMBINE_MODES)
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")

@@ -12,9 +12,10 @@ Every rank passes the whole prompt ``[B, T]`` and gets the whole sequence back. 
   (the hooks of :mod:`.cache_hooks` shard ``input_ids`` and ``position_ids``, padding to the layout
   inside, and gather the hidden rows the LM head needs). An empty cache runs the converted
   attention's own method (``seqpar.attention``, any softmax method, windows and sinks), unless the
-  rows are left-padded (below). Over a cached prefix (a second turn, a second ``generate`` call) the new tokens are laid out zigzag and
-  attend to the cached shards and to each other by K,V passing or query passing
-  (:func:`~.cache_ops.choose_prefill`, Meta's rule; ``prefill=`` forces one).
+  rows are left-padded (below). Over a cached prefix (a second turn, a second ``generate`` call)
+  the new tokens are laid out zigzag and attend to the cached shards and to each other by K,V
+  passing or query passing (:func:`~.cache_ops.choose_prefill`, Meta's rule; ``prefill=`` forces
+  one).
 - **Decode** (one new token, the same on every rank): each rank attends it to its own slots and the
   partials are combined exactly in fp32 by an all-gather of ``(out, lse)`` or the tree all-reduce
   (:func:`~.cache_ops.choose_combine`; ``decode_combine=`` forces one). The new token's K,V are

@@ -156,8 +156,9 @@ def _agree(cache: ShardedCache, x: torch.Tensor, pads: list[int] | None) -> None
     all_reduce_(cache.info, both, op=torch.distributed.ReduceOp.MAX, stats=cache.stats, name="check_tokens")
     if not torch.equal(both[:flat.numel()], -both[flat.numel():]):
         raise ValueError(
-            "input_ids: the ranks passed different tokens (or attention_mask padding) to a context-parallel forward (with sampling: seed every "
-            "rank the same, e.g. torch.manual_seed(seed) before generate(), so every rank draws the same tokens)")
+            "input_ids: the ranks passed different tokens (or attention_mask padding) to a context-parallel forward "
+            "(with sampling: seed every rank the same, e.g. torch.manual_seed(seed) before generate(), so every "
+            "rank draws the same tokens)")
 
 
 def _prepare(cache: ShardedCache, binding, kwargs: dict, keep: int) -> None:
