@@ -5,7 +5,8 @@
 #   OUT=DIR bash benchmarks/gpu_session_backends.sh        # DIR defaults to /tmp/seqpar_gpu_backends
 #
 # 1. the GPU tests of the backends against float64 (cudnn, flash4, torch_cuda's direct flash calls
-#    and packed calls, the dispatch order, a backward with a gradient on the lse), pytest -m gpu;
+#    and packed calls, the dispatch order, a backward with a gradient on the lse, the Triton dk/dv
+#    kernel's Hopper-only configurations forced one by one), pytest -m gpu;
 # 2. `seqpar bench --emulate 8` at 64K tokens (zigzag_ring, ring, striped_ring; Llama-3-8B heads,
 #    bf16, causal) with the committed dispatch table: "before";
 # 3. benchmarks/gpu_backends.py: every backend forced on every block the ring, zigzag, striped and
@@ -52,8 +53,8 @@ EOF
 
 stamp "1. GPU tests of the backends"
 run timeout "$(budget 170 360)" python -m pytest -q -rs -m gpu -p no:cacheprovider \
-    tests/test_kernels.py tests/test_varlen_kernels.py tests/test_kernels_lse_grad.py \
-    -k "fused_backends or torch_cuda or dispatch_per_pass or test_cuda" > "$OUT/gpu_tests.log" 2>&1
+    tests/test_kernels.py tests/test_varlen_kernels.py tests/test_kernels_lse_grad.py tests/test_triton_block_shapes.py \
+    -k "fused_backends or torch_cuda or dispatch_per_pass or test_cuda or gpu_hopper" > "$OUT/gpu_tests.log" 2>&1
 stamp "   rc=$? $(tail -1 "$OUT/gpu_tests.log")"
 
 EMULATE=(--emulate 8 --methods zigzag_ring,ring,striped_ring --seq-lens 65536 --heads 32 --kv-heads 8

@@ -29,14 +29,16 @@ from seqpar.kernels import triton_attention_bwd as kern_bwd  # noqa: E402
 from seqpar.kernels import triton_attention_kernels as kern  # noqa: E402
 from seqpar.kernels import triton_target as tt  # noqa: E402
 
-if not ta.INTERPRET:
-    pytest.skip("runs in Triton's CPU interpreter (on a GPU the autotuner picks the shape)",
-                allow_module_level=True)
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA and not ta.INTERPRET:
+    pytest.skip("no CUDA and the kernels were imported without TRITON_INTERPRET=1", allow_module_level=True)
+interpreter = pytest.mark.skipif(HAS_CUDA, reason="the interpreter's cases (on a GPU: the gpu case below)")
 
-# The interpreter computes in float32 with float32 inputs: observed <= 2e-6 relative to the
-# largest reference value; 2e-5 leaves room for summation order (a wrong mask or a skipped tile
-# is off by O(1)).
-RTOL = 2e-5
+# Error allowed relative to the largest reference value. The interpreter computes in float32 with
+# float32 inputs: observed <= 2e-6; 2e-5 leaves room for summation order. On a GPU, bf16 inputs:
+# outputs rounded to bf16 and P, dS rounded to it before the tensor-core dots, ~8 ulp (2^-7 at 1.0)
+# as in tests/test_triton_attention.py. A wrong mask or a skipped tile is off by O(1).
+RTOL = {torch.float32: 2e-5, torch.bfloat16: 8 * 2**-7}
 KEY = ["seq_bucket", "GROUP", "HEAD_DIM", "IS_VARLEN", "IS_CAUSAL", "HAS_WINDOW"]
 
 
@@ -45,12 +47,12 @@ def _shapes(kernel: str) -> list[tuple[int, int]]:
                    if width == "half" and bound <= 128 for m, n, _w, _s in cfgs})
 
 
-def _force(monkeypatch, kernel: str, shape: tuple[int, int]) -> None:
-    """Make ``kernel`` ("fwd", "dq", "dkdv") run one block shape."""
+def _force(monkeypatch, kernel: str, shape: tuple[int, int], warps: int = 4, stages: int = 1) -> None:
+    """Make ``kernel`` ("fwd", "dq", "dkdv") run one configuration."""
     jit = {"fwd": kern.attn_fwd_kernel, "dq": kern_bwd.attn_bwd_dq_kernel,
            "dkdv": kern_bwd.attn_bwd_dkdv_kernel}[kernel]
     extra = dict(fwd=(["ACCUMULATE"], ["Out", "Lse"])).get(kernel, ([], None))
-    cfg = triton.Config({"BLOCK_M": shape[0], "BLOCK_N": shape[1]}, num_warps=4, num_stages=1)
+    cfg = triton.Config({"BLOCK_M": shape[0], "BLOCK_N": shape[1]}, num_warps=warps, num_stages=stages)
     tuned = triton.autotune([cfg], key=KEY + extra[0], restore_value=extra[1])(jit)
     monkeypatch.setattr(ta, {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel"}[kernel],
                         tuned)
@@ -86,7 +88,7 @@ def _close(name, got, ref):
     if ref.numel() == 0:
         return
     err = (got.double() - ref).abs().max().item()
-    bound = RTOL * max(ref.abs().max().item(), 1.0)
+    bound = RTOL[got.dtype] * max(ref.abs().max().item(), 1.0)
     assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
 
 
@@ -101,29 +103,32 @@ CASES = {
 }
 
 
-def _run_dense(case: str):
+def _run_dense(case: str, dtype=torch.float32, device="cpu"):
     tq, tk, mask, off, align, window = CASES[case]
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, tq, 4, 128, generator=gen)
     k, v = (torch.randn(1, tk, 2, 128, generator=gen) for _ in range(2))
     dout = torch.randn(q.shape, generator=gen)
+    q, k, v, dout = (x.to(device, dtype) for x in (q, k, v, dout))
     geo = dict(mask=mask, causal_offset=off, align=align, window_left=window)
     out, lse = ta.triton_attention_forward(q, k, v, **geo)
     grads = ta.triton_attention_backward(dout, q, k, v, out, lse, **geo)
-    refs = _reference(q, k, v, _visible(tq, tk, mask, off, align, window), dout)
+    refs = _reference(*(x.cpu() for x in (q, k, v)), _visible(tq, tk, mask, off, align, window), dout.cpu())
     for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), refs):
-        _close(name, got, ref)
+        _close(name, got.cpu(), ref)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel,shape", [(k, s) for k in ("fwd", "dq", "dkdv") for s in _shapes(k)],
                          ids=lambda x: x if isinstance(x, str) else "x".join(map(str, x)))
+@interpreter
 def test_every_table_block_shape_matches_float64(monkeypatch, kernel, shape):
     _forced(monkeypatch, kernel, shape)
     for case in CASES:
         _run_dense(case)
 
 
+@interpreter
 @pytest.mark.parametrize("shape", [(16, 128), (16, 64)], ids=["16x128", "16x64"])
 @pytest.mark.parametrize("case", ["causal-br", "window", "none"])
 def test_hopper_dkdv_shapes_match_float64(monkeypatch, shape, case):
@@ -134,6 +139,7 @@ def test_hopper_dkdv_shapes_match_float64(monkeypatch, shape, case):
     _run_dense(case)
 
 
+@interpreter
 @pytest.mark.parametrize("shape", [(16, 128), (16, 64)], ids=["16x128", "16x64"])
 def test_hopper_dkdv_shapes_on_packed_documents(monkeypatch, shape):
     """The dk/dv shapes added for Hopper (:data:`~seqpar.kernels.triton_target.HOPPER_ONLY`) on
@@ -158,10 +164,22 @@ def test_hopper_dkdv_shapes_on_packed_documents(monkeypatch, shape):
                                   refs[1:]):
             _close(f"{name} of document {lq}x{lk}", got[None], ref)
         q0, k0 = q0 + lq, k0 + lk
-
-
+@interpreter
 def test_tuned_configs_name_what_ran(monkeypatch):
     """The kernel benchmark's record of the autotune choice names the configuration each kernel ran."""
     _forced(monkeypatch, "dkdv", (16, 128))
     _run_dense("none")
     assert ta.tuned_configs() == {"fwd": "64x64 w4 s1", "dq": "64x64 w4 s1", "dkdv": "16x128 w4 s1"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs an sm_90+ GPU")
+@pytest.mark.parametrize("config", sorted(c for (_k, _w, _b, c) in tt.HOPPER_ONLY), ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("case", ["causal-br", "window", "none"])
+def test_gpu_hopper_dkdv_configurations(monkeypatch, config, case):
+    """Each Hopper-only dk/dv configuration compiled for the device (wgmma), forced, bf16, against
+    float64 (the autotuner would run only the fastest; the causal variants' pruning leaves one out,
+    forced here all the same: spills cost time, not correctness)."""
+    m, n, warps, stages = config
+    _force(monkeypatch, "dkdv", (m, n), warps, stages)
+    _run_dense(case, torch.bfloat16, "cuda")
