@@ -222,6 +222,26 @@ def test_bad_masks_raise_on_every_rank(folders):
         assert "was filled with" in got["other pads"] and "whole sequence" in got["no mask"]
 
 
+def _ranks_differ(path):
+    """Rank 0 passes the padded mask, rank 1 the same ids with a mask of ones: the message on each
+    rank (the check's all-reduce has one size on every rank, whatever each one's padding)."""
+    tok, enc = _batch(path)
+    model = _load(path)
+    apply_context_parallel(model, method="zigzag_ring")
+    mask = enc.attention_mask if dist.get_rank() == 0 else torch.ones_like(enc.attention_mask)
+    try:
+        model.generate(input_ids=enc.input_ids, attention_mask=mask, cache=ShardedCache(), max_new_tokens=1,
+                       pad_token_id=tok.pad_token_id)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_with_and_without_padding_raise_on_every_rank(folders):
+    for message in run_distributed(_ranks_differ, 2, folders["llama"], timeout=120):
+        assert message is not None and "different tokens (or attention_mask padding)" in message, message
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_local_partial_floors_match_float64(window):
     """Per-row floors (each batch row's first visible position) against a dense float64 softmax whose

@@ -148,10 +148,11 @@ def _check_call(cache: ShardedCache, kwargs: dict, x: torch.Tensor) -> list[int]
 
 
 def _agree(cache: ShardedCache, x: torch.Tensor, pads: list[int] | None) -> None:
-    """One all-reduce (max of x and of -x): every rank must pass the same tokens (and padding)."""
+    """One all-reduce (max of x and of -x): every rank must pass the same tokens (and padding). The
+    pad counts go in on every rank (zeros when unpadded): one size whatever each rank's mask."""
     flat = x.detach().reshape(-1).to(torch.float64)
-    if pads is not None:
-        flat = torch.cat([flat, torch.tensor(pads, dtype=torch.float64, device=flat.device)])
+    counts = pads if pads is not None else [0] * x.shape[0]
+    flat = torch.cat([flat, torch.tensor(counts, dtype=torch.float64, device=flat.device)])
     both = torch.cat([flat, -flat])
     all_reduce_(cache.info, both, op=torch.distributed.ReduceOp.MAX, stats=cache.stats, name="check_tokens")
     if not torch.equal(both[:flat.numel()], -both[flat.numel():]):
