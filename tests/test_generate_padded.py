@@ -146,7 +146,8 @@ def test_padded_batch_every_method_slow(folders, tmp_path, n):
 
 def _sampling_and_beams(path):
     """Seeded sampling, and beam search (the cache's rows repeated and reordered with their pads), on
-    the padded batch: the same sequences as the unconverted model."""
+    the padded batch: the same sequences as the unconverted model; then a second turn after rows of
+    a filled cache were selected, repeated and reordered across rows (the Cache API, by hand)."""
     tok, enc = _batch(path)
     ref, model = _load(path), _load(path)
     kw = dict(max_new_tokens=6, do_sample=True, temperature=0.9, top_p=0.95, pad_token_id=tok.pad_token_id)
@@ -170,11 +171,24 @@ def _sampling_and_beams(path):
     r2 = ref.generate(input_ids=ids, attention_mask=mask, cache=r.cache, **greedy)
     o2 = model.generate(input_ids=ids, attention_mask=mask, cache=o.cache, **greedy)
     selected = torch.equal(o2.sequences, r2.sequences) and _relative(o2.scores, r2.scores) <= REL_TOL
-    return sampled, beam, selected
+    # each row twice (batch_repeat_interleave), then across rows (reorder_cache): the pads follow their rows
+    r, o = ref.generate(**enc, **greedy), model.generate(**enc, cache=ShardedCache(), **greedy)
+    order = torch.tensor([4, 5, 0, 1, 2, 3])  # rows 2, 2, 0, 0, 1, 1
+    for c in (r.cache, o.cache):
+        c.batch_repeat_interleave(2)
+        c.reorder_cache(order)
+    rows = torch.tensor([2, 2, 0, 0, 1, 1])
+    ids = torch.cat([r.sequences[rows], torch.full((6, 2), 9)], 1)
+    ones = enc.attention_mask.new_ones(6, ids.shape[1] - enc.input_ids.shape[1])
+    mask = torch.cat([enc.attention_mask[rows], ones], 1)
+    r2 = ref.generate(input_ids=ids, attention_mask=mask, cache=r.cache, **greedy)
+    o2 = model.generate(input_ids=ids, attention_mask=mask, cache=o.cache, **greedy)
+    repeated = torch.equal(o2.sequences, r2.sequences) and _relative(o2.scores, r2.scores) <= REL_TOL
+    return sampled, beam, selected, repeated
 
 
 def test_padded_sampling_beams_and_row_selection_match_single_process(folders):
-    assert run_distributed(_sampling_and_beams, 2, folders["llama"], timeout=120) == [(True, True, True)] * 2
+    assert run_distributed(_sampling_and_beams, 2, folders["llama"], timeout=120) == [(True, True, True, True)] * 2
 
 
 def _bad_masks(path):
