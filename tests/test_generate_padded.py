@@ -310,3 +310,28 @@ def test_cli_generate_several_prompts(folders, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(argv + files + ["--prompt", TEXTS[2]])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_cli_generate_several_prompts_without_a_pad_token(folders, tmp_path):
+    """A tokenizer without a pad token (as many base models'): several prompts are padded with its end
+    of sequence and give what single-process ``generate()`` gives on the batch padded with ``<pad>``
+    (a pad's id is never attended to). One rank: the padding is the CLI's, the same at any N."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from seqpar.cli import main
+
+    bare = tmp_path / "no_pad"
+    shutil.copytree(folders["llama"], bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    (bare / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "pad_token"}))
+    assert AutoTokenizer.from_pretrained(bare).pad_token_id is None
+    report = tmp_path / "report.json"
+    assert main(["generate", "--model", str(bare), "--nproc", "1", "--max-new-tokens", str(NEW), "--json", str(report),
+                 "--no-progress"] + [a for text in TEXTS for a in ("--prompt", text)]) == 0
+    tok, enc = _batch(folders["llama"])
+    ref = _load(folders["llama"]).generate(**enc, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id)
+    t = enc.input_ids.shape[1]
+    assert [o["new_tokens"] for o in json.loads(report.read_text())["outputs"]] == ref[:, t:].tolist()

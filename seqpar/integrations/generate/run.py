@@ -4,7 +4,7 @@ Launch: ``--nproc N`` spawns N local CPU ranks (gloo, :class:`seqpar.comm.pool.W
 ``torchrun`` the launched ranks are used; ``--nproc 1`` runs in this process. Sampling draws the same
 tokens on every rank because every rank seeds torch with ``--seed`` (the cache checks it). Several
 prompts (``--prompt`` or ``--prompt-file`` given more than once) are generated as one batch padded
-on the left (the tokenizer's ``pad``), as ``ShardedCache`` takes prompts of different lengths.
+on the left (:func:`pad_id`), as ``ShardedCache`` takes prompts of different lengths.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from ...methods import METHODS
 from ..hf import ShardedCache, apply_context_parallel
 from ..hf.cache import COMBINE_MODES, PREFILL_MODES
 
-__all__ = ["GenerateConfig", "GenerateResult", "generate_main", "parse_args", "prompt_batch", "prompt_ids", "run"]
+__all__ = ["GenerateConfig", "GenerateResult", "generate_main", "parse_args", "pad_id", "prompt_batch", "prompt_ids",
+           "run"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -203,19 +204,22 @@ def prompt_ids(cfg: GenerateConfig, tok) -> list[list[int]]:
             for text in texts]
 
 
+def pad_id(tok) -> int:
+    """The id that fills the pads and finished rows: the tokenizer's pad token, else its end of sequence
+    (many base models' tokenizers have no pad token; a pad's id never reaches the attention), else 0."""
+    for candidate in (tok.pad_token_id, tok.eos_token_id, 0):
+        if candidate is not None:
+            return int(candidate)
+
+
 def prompt_batch(cfg: GenerateConfig, tok) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask)`` ``[B, T]``, one row per prompt, padded on the left to the
-    longest by the tokenizer's ``pad`` (the mask's zeros mark the pads)."""
+    longest with :func:`pad_id` (the mask's zeros mark the pads)."""
     rows = prompt_ids(cfg, tok)
-    if len({len(r) for r in rows}) == 1:  # nothing to pad
-        ids = torch.tensor(rows, dtype=torch.long)
-        return ids, torch.ones_like(ids)
-    if tok.pad_token_id is None:
-        raise ValueError(f"--prompt: prompts of different lengths are padded, but the tokenizer in {cfg.model} has "
-                         "no pad token; set one (tokenizer.pad_token) in the folder, or give one prompt per run")
-    enc = tok.pad({"input_ids": rows}, padding=True, padding_side="left", return_attention_mask=True,
-                  return_tensors="pt")
-    return enc["input_ids"], enc["attention_mask"]
+    width, pad = max(map(len, rows)), pad_id(tok)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    return ids, mask
 
 
 def _new_tokens(row: list[int], eos) -> list[int]:
@@ -258,7 +262,7 @@ def _rank_main(cfg: GenerateConfig) -> GenerateResult | None:
     tok = folder.tokenizer
     ids, mask = (t.to(device) for t in prompt_batch(cfg, tok))
     cache = ShardedCache(group=group, prefill=cfg.prefill, decode_combine=cfg.decode_combine, stats=CommStats())
-    kw = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.sample, pad_token_id=tok.pad_token_id)
+    kw = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.sample, pad_token_id=pad_id(tok))
     if cfg.sample:
         kw.update(temperature=cfg.temperature, top_p=cfg.top_p)
     torch.manual_seed(cfg.seed)
