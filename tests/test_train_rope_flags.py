@@ -16,6 +16,7 @@ naming the flags; bad values fail before any rank starts, naming the flag.
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -181,13 +182,21 @@ def test_resume_with_other_values_is_refused(folders, runs):
     (("--rope-scaling", '{"rope_type": "linear", "factr": 2}'), r"--rope-scaling: .*Missing required keys"),
     (("--rope-scaling", '{"rope_type": "linear", "factor": 0.5}'), r"--rope-scaling: .*factor field must be"),
     (("--rope-scaling", '{"rope_type": "linear", "factor": 2, "beta": 1}'), r"--rope-scaling: .*Unrecognized keys"),
-    (("--rope-scaling", json.dumps(YARN), "--max-position-embeddings", 32), r"--rope-scaling/--max-position-emb"),
+    # seqpar's message every time (transformers logs its own, "Using the explicit factor", once per process)
+    (("--rope-scaling", json.dumps(YARN), "--max-position-embeddings", 32),
+     r"--rope-scaling/--max-position-embeddings: YaRN's factor 4.0 disagrees .* set --max-position-embeddings to 64"),
+    # what transformers lets through: trained with every position rotated alike; or failing once built
+    (("--rope-scaling", '{"rope_type": "linear", "factor": Infinity}'), r"--rope-scaling: 'factor' must be finite"),
+    (("--rope-scaling", '{"rope_type": "linear", "factor": 2, "rope_theta": "1e4"}'), r"'rope_theta' must be a pos"),
+    (("--rope-scaling", '{"rope_type": "linear", "factor": 2, "partial_rotary_factor": 0.5}'),
+     r"--rope-scaling: 'partial_rotary_factor' is the model's architecture"),
     (("--max-position-embeddings", 0), r"--max-position-embeddings: expected a positive length"),
     # the length-dependent types go through --adaptive's refusal like a model folder's own (hf/rope.py)
     (("--rope-scaling", '{"rope_type": "dynamic", "factor": 2}', "--adaptive", "--nproc", 2),
      r"--adaptive: the model's RoPE \(dynamic\)"),
 ])
 def test_bad_values_fail_before_any_rank_starts(folders, flags, match):
+    logging.Logger.warning_once.cache_clear()  # transformers' once-per-process warnings as in a new process
     with pytest.raises(ValueError, match=match):
         train(_args(folders, "bad", *flags))
 

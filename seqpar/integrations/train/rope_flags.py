@@ -29,8 +29,10 @@ FLAGS = ("--rope-theta", "--rope-scaling", "--max-position-embeddings")
 _ORIGINAL = "original_max_position_embeddings"
 _NEEDS_ORIGINAL = ("yarn", "llama3", "longrope")
 _INHERITED = ("rope_theta", "partial_rotary_factor")  # kept from the model unless --rope-scaling sets them
-# transformers' advice for a longrope without "factor" (it derives the factor from the lengths): not an error
-_ADVISORY = ("Please set the `factor` field",)
+# transformers' warnings that are no error here: its advice for a longrope without "factor" (it derives the
+# factor from the lengths), and YaRN's factor against the lengths, which transformers logs once per process
+# only and _check_yarn_length reports every time, with the flag to set
+_ADVISORY = ("Please set the `factor` field", "The explicitly set RoPE scaling factor")
 
 
 def add_arguments(parser) -> None:
@@ -137,7 +139,26 @@ def _replaced(old: dict, new: dict, where: str) -> dict:
     for key in _INHERITED:
         if key in old and key not in out:
             out[key] = old[key]
+    _check_numbers(old, out, where)
     return out
+
+
+def _check_numbers(old: dict, params: dict, where: str) -> None:
+    """What transformers' validation lets through: a non-finite number (an infinite factor rotates every
+    position alike, and trains), a base that is no positive number (a TypeError or a NaN buffer when the
+    model is built), another partial_rotary_factor than the model's (the share of each head the attention
+    rotates: architecture, not length; Llama's attention rotates whole heads and fails on any other)."""
+    for key, value in params.items():
+        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
+            raise ValueError(f"--rope-scaling{where}: {key!r} must be finite, got {value}")
+    theta = params.get("rope_theta")
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0):
+        raise ValueError(f"--rope-scaling{where}: 'rope_theta' must be a positive number (the base, e.g. 10000.0), "
+                         f"got {theta!r}")
+    if params.get("partial_rotary_factor", 1.0) != old.get("partial_rotary_factor", 1.0):
+        raise ValueError(f"--rope-scaling{where}: 'partial_rotary_factor' is the model's architecture (the share of "
+                         f"each head rotated: {old.get('partial_rotary_factor', 1.0)} here), not a RoPE scaling; "
+                         "leave it out")
 
 
 def _validate(text, flags: list[str]) -> None:
@@ -168,8 +189,9 @@ def _check_yarn_length(text, name: str) -> None:
         if implicit not in (1, params["factor"]):
             raise ValueError(f"{name}: YaRN's factor {params['factor']} disagrees with max_position_embeddings "
                              f"{text.max_position_embeddings} / original_max_position_embeddings {params[_ORIGINAL]} "
-                             f"= {implicit:g}; set --max-position-embeddings to {params[_ORIGINAL]} x factor (or "
-                             "leave it at the original length)")
+                             f"= {implicit:g}; set --max-position-embeddings to "
+                             f"{round(params[_ORIGINAL] * params['factor'])} (original_max_position_embeddings x "
+                             f"factor) or to {params[_ORIGINAL]} (the original length)")
 
 
 def summary(config) -> dict:
