@@ -163,12 +163,13 @@ def _check(results, cases, n):
 
 def _decode_bytes(n, combines, got) -> int:
     """Bytes a rank sends per decoded token (CommStats: an all-gather (N-1)·m, an all-reduce
-    2(N-1)·m/N): the token check's all-reduce of 2B float64, then per layer the all-gather of the
-    fp32 (out, lse) [B, 1, Hq, D + 1] or the tree's two all-reduces (lse max [B, Hq, 1], the sums)."""
+    2(N-1)·m/N): the token check's all-reduce of 4B float64 (B ids and B pad counts, each with its
+    negation), then per layer the all-gather of the fp32 (out, lse) [B, 1, Hq, D + 1] or the tree's
+    two all-reduces (lse max [B, Hq, 1], the sums)."""
     layers, b, hq, d = got["shape"]
     partial = b * hq * (d + 1) * 4
     per_layer = (n - 1) * partial if combines == {"allgather"} else 2 * (n - 1) * (b * hq * 4) // n + 2 * (n - 1) * partial // n
-    return 2 * (n - 1) * 16 * b // n + layers * per_layer
+    return 2 * (n - 1) * 32 * b // n + layers * per_layer
 
 
 def test_generate_matches_single_process_n2(folders):
