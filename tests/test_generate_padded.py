@@ -310,6 +310,11 @@ def test_cli_generate_several_prompts(folders, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(argv + files + ["--prompt", TEXTS[2]])
     assert "not allowed with argument" in capsys.readouterr().err
+    from seqpar.integrations.generate import GenerateConfig  # the Python API: the same rule, before any loading
+
+    for given in (dict(prompt="a", prompt_file=str(tmp_path / "p0.txt")), {}):
+        with pytest.raises(ValueError, match="prompt / prompt_file: give the prompts one way"):
+            GenerateConfig(model=folders["llama"], **given)
 
 
 def test_cli_generate_several_prompts_without_a_pad_token(folders, tmp_path):

@@ -61,6 +61,9 @@ class GenerateConfig:
         for name in ("prompt_file", "prompt"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
+        if bool(self.prompt) == bool(self.prompt_file):
+            raise ValueError(f"prompt / prompt_file: give the prompts one way, as text (prompt) or as files "
+                             f"(prompt_file), one or several; got {len(self.prompt)} and {len(self.prompt_file)}")
 
 
 @dataclasses.dataclass
