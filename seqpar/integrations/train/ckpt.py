@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ...comm.collectives import peer_errors
 from ..files import replace_dir
+from . import rope_flags
 
 COMPLETE = "COMPLETE"
 META = "meta.json"
@@ -127,13 +128,33 @@ def check_same_model(meta: dict, current: dict, path: Path) -> None:
         diffs.append(f"parameters differ: {', '.join(names[:5])}")
     rope = [d for d in diffs if d.split(":")[0] in _ROPE_KEYS]
     if rope and len(rope) == len(diffs):  # only the RoPE differs: name the flags that set it
-        raise ValueError(f"--resume: {path} was trained with another RoPE ({'; '.join(rope)}); resume with the "
-                         "--rope-theta / --rope-scaling / --max-position-embeddings values it was saved with (the "
-                         "checkpoint's, above), or start a new run with another --save folder")
+        raise rope_mismatch(path, rope)
     if diffs:
         shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
         raise ValueError(f"--resume: {path} was saved from a different model ({shown}); resume with the same "
                          f"--model-config, or start a new run with another --save folder")
+
+
+def check_rope(cfg, config) -> None:
+    """Before any rank starts or reads the model: ValueError naming the RoPE flags when ``--resume``'s
+    checkpoint recorded another RoPE (meta.json's ``run.rope``) than ``config``'s (the run's, flags applied).
+    :func:`check_same_model` on the ranks after the build covers the rest, and checkpoints without it."""
+    path = resolve_resume(cfg.resume, cfg.save)
+    if path is None or not (path / META).is_file():
+        return
+    saved = json.loads((path / META).read_text()).get("run", {}).get("rope")
+    now = json.loads(json.dumps(rope_flags.summary(config), default=str))  # as meta.json holds it
+    diffs = [f"{key}: checkpoint {saved.get(key)!r}, this run {value!r}" for key, value in now.items()
+             if saved is not None and saved.get(key) != value]
+    if diffs:
+        raise rope_mismatch(path, diffs)
+
+
+def rope_mismatch(path: Path, diffs: list[str]) -> ValueError:
+    """The refusal of a resume whose model differs in the RoPE flags' entries only (``diffs``)."""
+    return ValueError(f"--resume: {path} was trained with another RoPE ({'; '.join(diffs)}); resume with the "
+                      "--rope-theta / --rope-scaling / --max-position-embeddings values it was saved with (the "
+                      "checkpoint's, above), or start a new run with another --save folder")
 
 
 def _state(model, optimizer, scaler=None):

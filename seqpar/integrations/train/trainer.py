@@ -34,7 +34,7 @@ from ...comm.launch import launched_by_torchrun, launched_process_group, usable_
 from ...comm.pool import WorkerPool
 from . import rope_flags
 from .build import Runtime, build_model, local_bytes, max_over_ranks, model_config, optimizer_bytes, setup_runtime
-from .ckpt import has_scaler, load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
+from .ckpt import check_rope, has_scaler, load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
 from .config import (TrainConfig, global_batch, model_folder, open_data, open_eval_data, parse_args, validate,
                      world_size_of)
 from .evaluate import describe, eval_due, eval_key, evaluate
@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(cfg: TrainConfig) -> TrainResult | None:
     validate(cfg, world_size_of(cfg))
+    if cfg.resume is not None:  # a checkpoint of another RoPE: refused before the ranks read the model
+        check_rope(cfg, model_config(cfg, model_folder(cfg)))
     if launched_by_torchrun():
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
