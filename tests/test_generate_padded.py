@@ -256,6 +256,27 @@ def test_ranks_with_and_without_padding_raise_on_every_rank(folders):
         assert message is not None and "different tokens (or attention_mask padding)" in message, message
 
 
+def _shapes_differ(path):
+    """Rank 1 passes its prompts one column shorter (its last token dropped): a ValueError naming the
+    shapes on both ranks, from a check of one size on every rank, before the token check (whose size
+    follows the shape: gloo aborted a rank there, 'Received data size doesn't match')."""
+    tok, enc = _batch(path)
+    model = _load(path)
+    apply_context_parallel(model, method="zigzag_ring")
+    cut = enc.input_ids.shape[1] - (dist.get_rank() == 1)
+    try:
+        model.generate(input_ids=enc.input_ids[:, :cut], attention_mask=enc.attention_mask[:, :cut],
+                       cache=ShardedCache(), max_new_tokens=1, pad_token_id=tok.pad_token_id)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_with_different_prompt_shapes_raise_on_every_rank(folders):
+    for message in run_distributed(_shapes_differ, 2, folders["llama"], timeout=120):
+        assert message is not None and "inputs of different shapes" in message, message
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_local_partial_floors_match_float64(window):
     """Per-row floors (each batch row's first visible position) against a dense float64 softmax whose

@@ -215,7 +215,8 @@ class ShardedCache(Cache):
         stats: a ``CommStats`` that receives the bytes this rank sends (phases ``"prefill"`` and
             ``"decode"``); default a new one (``cache.stats``).
         check_tokens: check with one small all-reduce per forward that every rank passes the same
-            tokens (sampling with different seeds per rank would otherwise diverge silently).
+            tokens (sampling with different seeds per rank would otherwise diverge silently), after
+            one more of a fixed size on a prefill that every rank passes the same shape.
         kernel_flops, link_bandwidth, link_latency: flop/s of the block kernel, bytes/s and seconds
             per message of one link, for the two rules (defaults: an H100's bf16 attention, ~400
             TFLOP/s, 50 GB/s RDMA, 10 us).

@@ -147,9 +147,27 @@ def _check_call(cache: ShardedCache, kwargs: dict, x: torch.Tensor) -> list[int]
     return _padding(cache, kwargs.get("attention_mask"), x)
 
 
+def _agree_shape(cache: ShardedCache, x: torch.Tensor) -> None:
+    """One all-reduce of a fixed size (max of the shape and of its negation), before a prefill's token
+    check: ranks that pass inputs of different shapes would all-reduce tensors of different sizes there,
+    which gloo aborts on and NCCL may hang on; here each raises a ValueError instead."""
+    dims = [float(x.dim()), float(x.is_floating_point())] + [float(d) for d in x.shape[:4]]
+    head = torch.tensor(dims + [-1.0] * (6 - len(dims)), dtype=torch.float64, device=x.device)
+    both = torch.cat([head, -head])
+    all_reduce_(cache.info, both, op=torch.distributed.ReduceOp.MAX, stats=cache.stats, name="check_shape")
+    if not torch.equal(both[:6], -both[6:]):
+        raise ValueError(f"input_ids: the ranks passed inputs of different shapes to a context-parallel forward "
+                         f"(this rank: {'inputs_embeds' if x.is_floating_point() else 'input_ids'} "
+                         f"{tuple(x.shape)}); every rank passes the whole batch, the same on each")
+
+
 def _agree(cache: ShardedCache, x: torch.Tensor, pads: list[int] | None) -> None:
     """One all-reduce (max of x and of -x): every rank must pass the same tokens (and padding). The
-    pad counts go in on every rank (zeros when unpadded): one size whatever each rank's mask."""
+    pad counts go in on every rank (zeros when unpadded): one size whatever each rank's mask. A
+    prefill (more than one token, or an empty cache) first agrees on the shape (:func:`_agree_shape`);
+    a decode step's shape follows from the prefill's."""
+    if x.shape[1] > 1 or cache.length == 0:
+        _agree_shape(cache, x)
     flat = x.detach().reshape(-1).to(torch.float64)
     counts = pads if pads is not None else [0] * x.shape[0]
     flat = torch.cat([flat, torch.tensor(counts, dtype=torch.float64, device=flat.device)])
