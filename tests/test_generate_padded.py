@@ -304,6 +304,41 @@ def test_local_partial_floors_match_float64(window):
             assert not some.all()
 
 
+@pytest.mark.parametrize("floors", [[0, 30, 7, 30, 12], [0, 30, 7, 30, 45, 12]], ids=["top30", "top45"])
+@pytest.mark.parametrize("window", [None, 3, 12])
+def test_local_partial_decode_floors_match_float64(window, floors):
+    """A decode step (one query per batch row) under distinct floors takes the two-call path (the
+    slots every row sees in one kernel call, those below the highest floor in one masked softmax):
+    against a dense float64 softmax, rows above, below and at the window's edge, one row whose floor
+    is above every slot it could see (out 0, lse -inf)."""
+    from seqpar.integrations.hf import cache_ops
+
+    g = torch.Generator().manual_seed(5)
+    pos = torch.tensor(sorted(set(torch.randint(0, 40, (28,), generator=g).tolist())), dtype=torch.int64)
+    first = 39
+    # floors unsorted and repeated; 45 lies past the query (that row sees nothing, and no slot is
+    # above every floor: the kernel call has none)
+    q = torch.randn(len(floors), 1, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(len(floors), pos.numel(), 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    calls = []
+    real = cache_ops._decode_floors
+    cache_ops._decode_floors = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        out, lse = cache_ops.local_partial(q, [(0, 1, first)], k, v, pos, scale=0.3, window=window, floors=floors)
+    finally:
+        cache_ops._decode_floors = real
+    assert calls == [1]
+    for b, floor in enumerate(floors):
+        seen = (pos <= first) & (pos >= floor) & ((pos > first - window) if window else True)
+        scores = torch.einsum("hd,khd->hk", q[b, 0], k[b].repeat_interleave(2, 1)) * 0.3
+        if not seen.any():
+            assert torch.all(out[b] == 0) and torch.all(torch.isneginf(lse[b])), b
+            continue
+        ref_lse = torch.logsumexp(scores[:, seen], -1)
+        ref = torch.einsum("hk,khd->hd", torch.softmax(scores[:, seen], -1), v[b][seen].repeat_interleave(2, 1))
+        assert torch.allclose(out[b, 0], ref, atol=1e-12) and torch.allclose(lse[b][:, 0], ref_lse), b
+
+
 def test_cli_generate_several_prompts(folders, tmp_path, capsys):
     """``seqpar generate --prompt A --prompt B --prompt C --nproc 2``: one batch padded on the left,
     each prompt's new tokens equal to single-process greedy ``generate()`` on the tokenizer's padded
