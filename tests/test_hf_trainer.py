@@ -660,6 +660,15 @@ def test_one_process_equals_trainer_and_bad_arguments(folder, tmp_path):
     with pytest.raises(ValueError, match=r"resume_from_checkpoint: .* per_device_train_batch_size 3 = 6 sequences"
                                          r" .*this run takes 1 x 3 = 3"):
         ours.train(resume_from_checkpoint=str(saved))
+    # 3 groups of 1 sequence (3 per micro-batch, as here) under group_by_length: the order of the examples
+    # depends on per_device_train_batch_size, so another one is refused too
+    layout = json.loads((saved / "context_parallel.json").read_text())
+    (saved / "context_parallel.json").write_text(json.dumps(
+        {**layout, "world_size": 3, "context_parallel_size": 1, "data_parallel_size": 3,
+         "per_device_train_batch_size": 1}))
+    ours.args.train_sampling_strategy = "group_by_length"
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint: .* this run takes 3: with train_sampling_strategy"):
+        ours.train(resume_from_checkpoint=str(saved))
     ours.args.ignore_data_skip = True
     with pytest.raises(ValueError, match="resume_from_checkpoint: .* was saved under FSDP2"):
         ours.train(resume_from_checkpoint=str(saved))
@@ -684,6 +693,12 @@ def test_resume_layout_check(tmp_path):
         check_layout(tmp_path, world=2, cp=2, batch=4, accumulation=1)
     with pytest.raises(ValueError, match=r"a world / context_parallel_size that divides 4"):
         check_layout(tmp_path, world=3, cp=1, batch=1, accumulation=2)
+    # group_by_length: the order of the examples depends on per_device_train_batch_size (megabatches of
+    # batch x accumulation; 1000 examples, 10 steps of 4 trained at 1 x 4: the next 40 at 2 x 2 share none)
+    check_layout(tmp_path, world=4, cp=4, batch=4, accumulation=2, grouped=True)
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint: .* per_device_train_batch_size 4, this run "
+                                         r"takes 2: with train_sampling_strategy='group_by_length'"):
+        check_layout(tmp_path, world=4, cp=2, batch=2, accumulation=2, grouped=True)
 
 
 def test_a_save_clears_every_stale_staging_folder(tmp_path):

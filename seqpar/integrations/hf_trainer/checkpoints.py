@@ -18,7 +18,8 @@ reshards the model's and the optimizer's shards), as long as each micro-batch ho
 (``dp x per_device_train_batch_size``) with the same ``gradient_accumulation_steps``: the Trainer finds
 its data position by skipping ``global_step x gradient_accumulation_steps`` micro-batches of its own
 size, so only then does the resumed run train on the examples the saved run would have taken next
-(:func:`check_layout` refuses the rest, unless ``ignore_data_skip`` starts the data again). The RNG
+(:func:`check_layout` refuses the rest, unless ``ignore_data_skip`` starts the data again at an epoch's
+beginning; under ``group_by_length`` the batch per group must stay too). The RNG
 states are restored for the process indices the checkpoint has; ranks beyond them keep the seed's
 state, so a model with dropout draws other masks than an uninterrupted run.
 """
@@ -135,12 +136,15 @@ def save_layout(folder: str | Path, *, world: int, cp: int, batch: int, accumula
     Path(folder, LAYOUT).write_text(json.dumps(layout, indent=1) + "\n")
 
 
-def check_layout(folder: str | Path, *, world: int, cp: int, batch: int, accumulation: int) -> None:
+def check_layout(folder: str | Path, *, world: int, cp: int, batch: int, accumulation: int,
+                 grouped: bool = False) -> None:
     """``ValueError`` naming ``resume_from_checkpoint`` (every rank, before any communication; a shared
     file system) when checkpoint ``folder`` was saved with another number of sequences per micro-batch
     (``dp x batch``) or another ``gradient_accumulation_steps``: the resumed run would skip another number
-    of examples than were trained and take other batches per step. A checkpoint without the layout file
-    (the plain Trainer's) is left to transformers' own rules."""
+    of examples than were trained and take other batches per step. ``grouped``
+    (``train_sampling_strategy='group_by_length'``): also another ``batch``, which orders the examples
+    (transformers' LengthGroupedSampler sorts megabatches of ``batch x accumulation`` sequences). A
+    checkpoint without the layout file (the plain Trainer's) is left to transformers' own rules."""
     path = Path(folder, LAYOUT)
     if not path.is_file():
         return
@@ -148,6 +152,15 @@ def check_layout(folder: str | Path, *, world: int, cp: int, batch: int, accumul
     was = saved["data_parallel_size"] * saved["per_device_train_batch_size"]
     dp = world // cp
     if was == dp * batch and saved["gradient_accumulation_steps"] == accumulation:
+        if grouped and batch != saved["per_device_train_batch_size"]:
+            raise ValueError(f"resume_from_checkpoint: {folder} was saved at per_device_train_batch_size "
+                             f"{saved['per_device_train_batch_size']}, this run takes {batch}: with "
+                             "train_sampling_strategy='group_by_length' the order of the examples depends on it "
+                             "(transformers' LengthGroupedSampler sorts megabatches of per_device_train_batch_size x "
+                             "gradient_accumulation_steps), so the resumed run would train on other examples; keep "
+                             f"per_device_train_batch_size {saved['per_device_train_batch_size']} and "
+                             f"{saved['data_parallel_size']} data-parallel group(s) (the world and "
+                             "context_parallel_size may change with them), or set ignore_data_skip=True")
         return
     fix = (f"per_device_train_batch_size {was // dp} at this run's {dp} data-parallel group(s)" if was % dp == 0 else
            f"a world / context_parallel_size that divides {was}")
@@ -160,5 +173,5 @@ def check_layout(folder: str | Path, *, world: int, cp: int, batch: int, accumul
                      f"skipping the micro-batches already trained, counted in its own size, so it would train on "
                      f"other examples; keep {was} sequences per micro-batch ({fix}) and gradient_accumulation_steps "
                      f"{saved['gradient_accumulation_steps']} (the world and context_parallel_size may change), set "
-                     "ignore_data_skip=True to start the data from its beginning, or start a new run from the "
-                     "checkpoint's model (from_pretrained)")
+                     "ignore_data_skip=True to start the data again at the beginning of an epoch, or start a new run "
+                     "from the checkpoint's model (from_pretrained)")
