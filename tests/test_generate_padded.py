@@ -304,15 +304,18 @@ def test_local_partial_floors_match_float64(window):
             assert not some.all()
 
 
+@pytest.mark.parametrize("chunk", [None, 1], ids=["one-chunk", "slot-by-slot"])
 @pytest.mark.parametrize("floors", [[0, 30, 7, 30, 12], [0, 30, 7, 30, 45, 12]], ids=["top30", "top45"])
 @pytest.mark.parametrize("window", [None, 3, 12])
-def test_local_partial_decode_floors_match_float64(window, floors):
+def test_local_partial_decode_floors_match_float64(window, floors, chunk, monkeypatch):
     """A decode step (one query per batch row) under distinct floors takes the two-call path (the
     slots every row sees in one kernel call, those below the highest floor in one masked softmax):
     against a dense float64 softmax, rows above, below and at the window's edge, one row whose floor
-    is above every slot it could see (out 0, lse -inf)."""
+    is above every slot it could see (out 0, lse -inf); GQA 4/2 without expanding K, V."""
     from seqpar.integrations.hf import cache_ops
 
+    if chunk is not None:  # the masked part in chunks of one slot (a long padded range's path)
+        monkeypatch.setattr(cache_ops, "_MASKED_CHUNK", chunk)
     g = torch.Generator().manual_seed(5)
     pos = torch.tensor(sorted(set(torch.randint(0, 40, (28,), generator=g).tolist())), dtype=torch.int64)
     first = 39

@@ -100,27 +100,43 @@ def local_partial(q, runs, k, v, pos, *, scale: float, window: int | None, backe
 def _decode_floors(q, run, k, v, pos, out, lse, floors: list[int], scale, window, backend) -> None:
     """:func:`local_partial` of one query per batch row (a decode step) under distinct ``floors``:
     the slots at or above the highest floor, which every row sees, in one kernel call for the whole
-    batch; the few below it (the pad columns of the less padded rows) in one masked softmax, in the
-    accumulator's dtype, merged in. Per run of equal floors it took one kernel call each: a batch of
-    32 prompts of 27 lengths, 27 calls per layer and token."""
+    batch; those below it (the pad columns of the less padded rows) by :func:`_masked_slots`. Per run
+    of equal floors it took one kernel call each: a batch of 32 prompts of 27 lengths, 27 calls per
+    layer and token."""
     row, _length, first = run
     top = max(floors)
     _rows_partial(q, [run], k, v, pos, out, lse, top, scale, window, backend)
     lo, hi = _slots(pos, min(floors)), min(_slots(pos, top), _slots(pos, first + 1))
     if window is not None:
         lo = max(lo, _slots(pos, first - window + 1))
-    if hi <= lo:
-        return
-    seen = pos[lo:hi].to(q.device)[None, :] >= torch.tensor(floors, device=q.device)[:, None]  # [B, L]
-    acc = out.dtype
-    group = q.shape[2] // k.shape[2]
-    kk, vv = (x[:, lo:hi].to(acc).repeat_interleave(group, 2) for x in (k, v))
-    scores = torch.einsum("bqhd,bkhd->bhqk", q[:, row:row + 1].to(acc), kk) * scale
-    scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
-    part_lse = torch.logsumexp(scores, -1)  # -inf for a row that sees none of these slots
-    probs = torch.exp(scores - part_lse[..., None]).nan_to_num(0.0)
-    part = torch.einsum("bhqk,bkhd->bqhd", probs, vv)
-    merge_(out[:, row:row + 1], lse[:, :, row:row + 1], part, part_lse)
+    if hi > lo:
+        _masked_slots(q[:, row:row + 1], k, v, pos, lo, hi, floors, scale,
+                      out[:, row:row + 1], lse[:, :, row:row + 1])
+
+
+#: elements of the largest temporary of :func:`_masked_slots` (scores, or a chunk of K or V in the
+#: accumulator's dtype): 2**24, 64 MiB in fp32, whatever the length of the padded range
+_MASKED_CHUNK = 1 << 24
+
+
+def _masked_slots(q1, k, v, pos, lo: int, hi: int, floors: list[int], scale, out1, lse1) -> None:
+    """Merge into ``(out1, lse1)`` (``[B, 1, Hq, D]``, ``[B, Hq, 1]``) the attention of the one query
+    per row ``q1`` to slots ``lo:hi``, row b seeing those at positions ``>= floors[b]``: a masked
+    softmax in the accumulator's dtype, GQA by grouping the query heads (K, V are not expanded), in
+    chunks of slots so that a long padded range never makes a large temporary."""
+    acc, (b, _one, hq, d), hkv = out1.dtype, q1.shape, k.shape[2]
+    qg = q1[:, 0].to(acc).reshape(b, hkv, hq // hkv, d)  # query head i * group + j reads kv head i
+    floor = torch.tensor(floors, device=q1.device)[:, None]
+    step = max(1, _MASKED_CHUNK // (b * max(hq, hkv * d)))
+    for a in range(lo, hi, step):
+        e = min(hi, a + step)
+        seen = pos[a:e].to(q1.device)[None, :] >= floor  # [B, L]
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, k[:, a:e].to(acc)) * scale
+        scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+        part_lse = torch.logsumexp(scores, -1)  # -inf for a row that sees none of these slots
+        probs = torch.exp(scores - part_lse[..., None]).nan_to_num(0.0)
+        part = torch.einsum("bhgl,blhd->bhgd", probs, v[:, a:e].to(acc))
+        merge_(out1, lse1, part.reshape(b, 1, hq, d), part_lse.reshape(b, hq, 1))
 
 
 def _rows_partial(q, runs, k, v, pos, out, lse, floor: int, scale, window, backend) -> None:
