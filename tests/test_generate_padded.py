@@ -236,45 +236,34 @@ def test_bad_masks_raise_on_every_rank(folders):
         assert "was filled with" in got["other pads"] and "whole sequence" in got["no mask"]
 
 
-def _ranks_differ(path):
-    """Rank 0 passes the padded mask, rank 1 the same ids with a mask of ones: the message on each
-    rank (the check's all-reduce has one size on every rank, whatever each one's padding)."""
+def _ranks_differ(path, what):
+    """Rank 1 passes other input than rank 0: ``"mask"``, the same ids with a mask of ones where rank 0
+    passes the padded one (the token check's all-reduce has one size whatever each rank's padding);
+    ``"shape"``, its prompts one column shorter (a check of one size on every rank runs before the
+    token check, whose size follows the shape: gloo aborted a rank there, 'Received data size
+    doesn't match'). The ValueError's message on each rank, None where none was raised."""
     tok, enc = _batch(path)
     model = _load(path)
     apply_context_parallel(model, method="zigzag_ring")
-    mask = enc.attention_mask if dist.get_rank() == 0 else torch.ones_like(enc.attention_mask)
+    other = dist.get_rank() == 1
+    ids, mask = enc.input_ids, enc.attention_mask
+    if other and what == "mask":
+        mask = torch.ones_like(mask)
+    if other and what == "shape":
+        ids, mask = ids[:, :-1], mask[:, :-1]
     try:
-        model.generate(input_ids=enc.input_ids, attention_mask=mask, cache=ShardedCache(), max_new_tokens=1,
+        model.generate(input_ids=ids, attention_mask=mask, cache=ShardedCache(), max_new_tokens=1,
                        pad_token_id=tok.pad_token_id)
     except ValueError as exc:
         return str(exc)
     return None
 
 
-def test_ranks_with_and_without_padding_raise_on_every_rank(folders):
-    for message in run_distributed(_ranks_differ, 2, folders["llama"], timeout=120):
-        assert message is not None and "different tokens (or attention_mask padding)" in message, message
-
-
-def _shapes_differ(path):
-    """Rank 1 passes its prompts one column shorter (its last token dropped): a ValueError naming the
-    shapes on both ranks, from a check of one size on every rank, before the token check (whose size
-    follows the shape: gloo aborted a rank there, 'Received data size doesn't match')."""
-    tok, enc = _batch(path)
-    model = _load(path)
-    apply_context_parallel(model, method="zigzag_ring")
-    cut = enc.input_ids.shape[1] - (dist.get_rank() == 1)
-    try:
-        model.generate(input_ids=enc.input_ids[:, :cut], attention_mask=enc.attention_mask[:, :cut],
-                       cache=ShardedCache(), max_new_tokens=1, pad_token_id=tok.pad_token_id)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def test_ranks_with_different_prompt_shapes_raise_on_every_rank(folders):
-    for message in run_distributed(_shapes_differ, 2, folders["llama"], timeout=120):
-        assert message is not None and "inputs of different shapes" in message, message
+@pytest.mark.parametrize("what,expected", [("mask", "different tokens (or attention_mask padding)"),
+                                           ("shape", "inputs of different shapes")], ids=["mask", "shape"])
+def test_ranks_that_disagree_raise_on_every_rank(folders, what, expected):
+    for message in run_distributed(_ranks_differ, 2, folders["llama"], what, timeout=120):
+        assert message is not None and expected in message, message
 
 
 @pytest.mark.parametrize("window", [None, 3])
