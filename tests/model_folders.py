@@ -64,6 +64,17 @@ def tiny_tokenizer(directory: str | Path | None = None, *, vocab_size: int = 320
     return fast
 
 
+def spread_weights(model, std: float = 0.2) -> None:
+    """Redraw every weight of two or more dimensions (matrices, stacked experts) of ``model`` from
+    N(0, std^2), norms and biases kept: the initializer's 0.02 gives near-uniform logits, larger
+    weights sharper ones, so that a wrong position, RoPE or mask moves the comparison visibly. Draws
+    from torch's global generator (seed it first)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, std)
+
+
 def _save(model, path: Path, tokenizer, sharded: bool) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     # A shard limit well below the model's size forces several files and model.safetensors.index.json.

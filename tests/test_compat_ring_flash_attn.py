@@ -23,6 +23,7 @@ import seqpar.compat.ring_flash_attn as rfa
 from seqpar.testing import run_distributed
 
 from dist_utils import rel_err, world
+from model_folders import spread_weights
 
 # fp32: every path accumulates in fp32 over at most ~100 keys: ~1e-7 relative per operation, so 2e-5
 # of the largest magnitude leaves room while a wrong mask, chunk or head routing gives errors ~1e-1.
@@ -379,10 +380,7 @@ def _tiny_model(kind, seed=0):
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:
         model = MistralForCausalLM(MistralConfig(**common, head_dim=16, sliding_window=5))
-    with torch.no_grad():  # larger weights than initializer_range: sharper logits, a sharper comparison
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    spread_weights(model)  # larger weights than initializer_range: sharper logits, a sharper comparison
     return model
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from model_folders import llama_folder, windowed_folder  # noqa: E402
+from model_folders import llama_folder, spread_weights, windowed_folder  # noqa: E402
 
 from seqpar.comm import CommStats  # noqa: E402
 from seqpar.integrations.hf import ShardedCache, apply_context_parallel  # noqa: E402
@@ -52,10 +52,7 @@ def _config_folder(path, kind: str, tokenizer=None) -> str:
     else:
         model = Gemma3ForCausalLM(Gemma3TextConfig(**common, query_pre_attn_scalar=16,
                                                    layer_types=["sliding_attention", "full_attention"]))
-    with torch.no_grad():  # larger than the default init: logits far from uniform
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    spread_weights(model)  # larger than the default init: logits far from uniform
     model.save_pretrained(str(path))
     return str(path)
 

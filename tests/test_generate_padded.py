@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from model_folders import llama_folder, tiny_tokenizer, windowed_folder  # noqa: E402
+from model_folders import llama_folder, spread_weights, tiny_tokenizer, windowed_folder  # noqa: E402
 from test_generate import REL_TOL, _config_folder, _load, _relative  # noqa: E402
 
 from seqpar.integrations.hf import ShardedCache, apply_context_parallel  # noqa: E402
@@ -41,10 +41,7 @@ def _gpt2_folder(path) -> str:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=128,
                                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                                        bos_token_id=tok.bos_token_id))
-    with torch.no_grad():  # larger than the default init: logits far from uniform
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    spread_weights(model)  # larger than the default init: logits far from uniform
     model.save_pretrained(str(path))
     return str(path)
 

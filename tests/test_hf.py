@@ -29,6 +29,7 @@ from seqpar.integrations.hf import (IGNORE_INDEX, apply_context_parallel, contex
                                     packed_position_ids, shard_inputs, shift_labels)
 import seqpar  # noqa: E402
 from seqpar.testing import run_distributed  # noqa: E402
+from model_folders import spread_weights  # noqa: E402
 
 # Both fp32 models are compared with the same model in float64. The context-parallel model only
 # changes the order of the softmax sums (blockwise with a running max) and of the gradient sums over
@@ -370,10 +371,7 @@ def _llama4(seed, chunk=None, temperature=False):
     torch.manual_seed(seed)
     model = Llama4ForCausalLM(config)
     model.config._experts_implementation = "eager"  # float64 reference: torch's grouped_mm has no float64
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    spread_weights(model)
     return model
 
 

@@ -29,6 +29,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from model_folders import spread_weights  # noqa: E402
 from test_generate import REL_TOL, _relative  # noqa: E402
 from test_hf import _check, _cp_matches_single  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -73,10 +74,7 @@ def _static(seed: int):
 
 def _sharpened(model, seed: int):
     torch.manual_seed(seed)
-    with torch.no_grad():  # larger weights than the init's 0.02: sharper logits, a sharper comparison
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    spread_weights(model)  # larger weights than the init's 0.02: sharper logits, a sharper comparison
     return model
 
 

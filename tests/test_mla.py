@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import FP32_TOL, world
+from model_folders import spread_weights
 from test_window import _err, _reference  # the float64 reference per document, with windows and sinks
 
 import seqpar
@@ -164,10 +165,7 @@ def _deepseek(seed):
                               v_head_dim=DV, first_k_dense_replace=2, max_position_embeddings=256)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config)
-    with torch.no_grad():  # larger weights than initializer_range: a sharper comparison (as test_hf)
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    spread_weights(model)  # larger weights than initializer_range: a sharper comparison (as test_hf)
     return model
 
 

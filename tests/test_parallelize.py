@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 from seqpar.integrations.hf import IGNORE_INDEX, shard_inputs  # noqa: E402
 from seqpar.integrations.parallelize import parallelize  # noqa: E402
 from seqpar.testing import run_distributed  # noqa: E402
+from model_folders import spread_weights  # noqa: E402
 
 # The sharded model changes only the order of sums (blockwise softmax, gradient sums over ranks):
 # ~1e-7 relative per operation through two layers; 2e-5 of the largest gradient leaves room, while a
@@ -38,10 +39,7 @@ def _model(seed: int = 0, tied: bool = True):
                       tie_word_embeddings=tied, attention_dropout=0.0)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # larger than initializer_range: sharper logits, a sharper comparison
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    spread_weights(model)  # larger than initializer_range: sharper logits, a sharper comparison
     return model
 
 
