@@ -76,6 +76,8 @@ def main():
         context_parallel_size=args.cp, cp_method=args.method, cp_options=options)   # the two extra arguments
     trainer.train()
     trainer.save_model(args.output)
+    if torch.distributed.is_initialized():  # before exit: gloo's threads can otherwise abort a rank (SIGABRT)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
