@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from model_folders import _save, text_documents, tiny_tokenizer  # noqa: E402
+from model_folders import _save, spread_weights, text_documents, tiny_tokenizer  # noqa: E402
 
 from seqpar.integrations.train import train  # noqa: E402
 from seqpar.testing import run_distributed  # noqa: E402
@@ -47,10 +47,7 @@ def folders(tmp_path_factory):
                          "long_factor": [1.0 + 3 * i for i in range(HEAD_DIM // 2)]})
     torch.manual_seed(0)
     model = Phi3ForCausalLM(config)
-    with torch.no_grad():  # larger weights than the init's 0.02: the factors change the loss visibly
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    spread_weights(model)  # larger weights than the init's 0.02: the factors change the loss visibly
     _save(model, tmp / "model", tok, False)
     held = tmp / "held.jsonl"
     # 36 documents of 2 words and 4 of 30: of the first 4 sequences two hold pieces of at most 16 tokens

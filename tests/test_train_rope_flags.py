@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from model_folders import _save, text_documents, tiny_tokenizer  # noqa: E402
+from model_folders import _save, spread_weights, text_documents, tiny_tokenizer  # noqa: E402
 
 from seqpar.integrations.train import train  # noqa: E402
 from seqpar.testing import run_distributed  # noqa: E402
@@ -53,10 +53,7 @@ def folders(tmp_path_factory):
                          tie_word_embeddings=False, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger weights than the init's 0.02: the RoPE changes the loss visibly
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    spread_weights(model)  # larger weights than the init's 0.02: the RoPE changes the loss visibly
     _save(model, tmp / "model", tok, False)
     data = tmp / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in text_documents(30, seed=2)))
@@ -220,10 +217,7 @@ def test_per_layer_type_rope_at_cp2_equals_transformers(folders):
                               pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    spread_weights(model)
     _save(model, tmp / "gemma3", tok, False)
     scaling = {"full_attention": {"rope_type": "linear", "factor": 4.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
