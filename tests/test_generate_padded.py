@@ -141,6 +141,18 @@ def test_padded_batch_every_method_slow(folders, tmp_path, n):
     _check(run_distributed(_cases, n, [({**folders, **extra}[c[0]], *c[1:]) for c in cases], timeout=900), cases)
 
 
+def _second_turn(ref, model, enc, r, o, rows, greedy) -> bool:
+    """A second turn on the caches of the first (``r``: transformers', ``o``: seqpar's), whose rows are
+    now the first call's ``rows``: two more tokens each, the mask the earlier one's rows followed by
+    ones; whether seqpar's tokens equal transformers' and its scores are within REL_TOL."""
+    ids = torch.cat([r.sequences[rows], torch.full((len(rows), 2), 9)], 1)
+    ones = enc.attention_mask.new_ones(len(rows), ids.shape[1] - enc.input_ids.shape[1])
+    mask = torch.cat([enc.attention_mask[rows], ones], 1)
+    r2 = ref.generate(input_ids=ids, attention_mask=mask, cache=r.cache, **greedy)
+    o2 = model.generate(input_ids=ids, attention_mask=mask, cache=o.cache, **greedy)
+    return torch.equal(o2.sequences, r2.sequences) and _relative(o2.scores, r2.scores) <= REL_TOL
+
+
 def _sampling_and_beams(path):
     """Seeded sampling, and beam search (the cache's rows repeated and reordered with their pads), on
     the padded batch: the same sequences as the unconverted model; then a second turn after rows of
@@ -162,25 +174,14 @@ def _sampling_and_beams(path):
     keep = torch.tensor([2, 0])
     r.cache.batch_select_indices(keep)
     o.cache.batch_select_indices(keep)
-    ids = torch.cat([r.sequences[keep], torch.full((2, 2), 9)], 1)
-    ones = enc.attention_mask.new_ones(2, ids.shape[1] - enc.input_ids.shape[1])
-    mask = torch.cat([enc.attention_mask[keep], ones], 1)
-    r2 = ref.generate(input_ids=ids, attention_mask=mask, cache=r.cache, **greedy)
-    o2 = model.generate(input_ids=ids, attention_mask=mask, cache=o.cache, **greedy)
-    selected = torch.equal(o2.sequences, r2.sequences) and _relative(o2.scores, r2.scores) <= REL_TOL
+    selected = _second_turn(ref, model, enc, r, o, keep, greedy)
     # each row twice (batch_repeat_interleave), then across rows (reorder_cache): the pads follow their rows
     r, o = ref.generate(**enc, **greedy), model.generate(**enc, cache=ShardedCache(), **greedy)
     order = torch.tensor([4, 5, 0, 1, 2, 3])  # rows 2, 2, 0, 0, 1, 1
     for c in (r.cache, o.cache):
         c.batch_repeat_interleave(2)
         c.reorder_cache(order)
-    rows = torch.tensor([2, 2, 0, 0, 1, 1])
-    ids = torch.cat([r.sequences[rows], torch.full((6, 2), 9)], 1)
-    ones = enc.attention_mask.new_ones(6, ids.shape[1] - enc.input_ids.shape[1])
-    mask = torch.cat([enc.attention_mask[rows], ones], 1)
-    r2 = ref.generate(input_ids=ids, attention_mask=mask, cache=r.cache, **greedy)
-    o2 = model.generate(input_ids=ids, attention_mask=mask, cache=o.cache, **greedy)
-    repeated = torch.equal(o2.sequences, r2.sequences) and _relative(o2.scores, r2.scores) <= REL_TOL
+    repeated = _second_turn(ref, model, enc, r, o, torch.tensor([2, 2, 0, 0, 1, 1]), greedy)
     return sampled, beam, selected, repeated
 
 
