@@ -269,3 +269,36 @@ def test_phi3_longrope_keeps_the_given_original_length():
     got = rope_flags.apply(config, parse_args(["--rope-scaling", json.dumps(scaling)]))
     assert got.rope_parameters == {**scaling, "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
     assert got.original_max_position_embeddings == 64 and config.original_max_position_embeddings == 16
+
+
+@pytest.mark.parametrize("state", ["logging.disable", "logger disabled", "a filter", "registry reset"])
+def test_refusal_does_not_depend_on_the_process_logging(state, monkeypatch):
+    """What transformers' RoPE validation only logs (a linear factor below 1) is refused whatever the
+    process did to logging before: in the whole test session an earlier test's state let such a run
+    train (factor 0.5, 'DID NOT RAISE'), where the file alone refused it."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from seqpar.integrations.train import rope_flags
+
+    name = "transformers.modeling_rope_utils"
+    logger = logging.getLogger(name)
+    if state == "logging.disable":
+        logging.disable(logging.WARNING)  # lifted below (logging.disable also clears the loggers' caches)
+    elif state == "logger disabled":
+        monkeypatch.setattr(logger, "disabled", True)
+    elif state == "a filter":
+        monkeypatch.setattr(logger, "filters", [logging.Filter("something.else")])
+    else:  # the registry forgets the logger the module holds: getLogger(name) makes a new one
+        monkeypatch.delitem(logging.root.manager.loggerDict, name)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    cfg = SimpleNamespace(rope_theta=None, rope_scaling='{"rope_type": "linear", "factor": 0.5}',
+                          max_position_embeddings=None)
+    try:
+        with pytest.raises(ValueError, match="--rope-scaling: .*factor field must be"):
+            rope_flags.apply(config, cfg)
+        assert logging.root.manager.disable == (logging.WARNING if state == "logging.disable" else 0)
+    finally:
+        logging.disable(logging.NOTSET)

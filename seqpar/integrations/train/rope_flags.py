@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import importlib
 import logging
 import math
 
@@ -203,22 +204,33 @@ def summary(config) -> dict:
 
 @contextlib.contextmanager
 def _warnings_of(name: str):
-    """The messages logged at WARNING or above by logger ``name`` inside the block (whatever the level
-    the user set for it; restored after)."""
-    logger, messages = logging.getLogger(name), []
+    """The messages logged at WARNING or above inside the block by the logger of module ``name`` (the
+    object the module logs to, which a reset of the logging registry may have detached from
+    ``logging.getLogger(name)``), whatever the process's logging state: its level, ``disabled`` flag
+    and filters, and a global ``logging.disable``, are lifted for the block and restored after (the
+    warnings are what the validation reports: the process's logging must not decide what is refused)."""
+    logger = getattr(importlib.import_module(name), "logger", None)
+    if not isinstance(logger, logging.Logger):
+        logger = logging.getLogger(name)
+    messages = []
 
     class _Collect(logging.Handler):
         def emit(self, record):
             messages.append(record.getMessage())
 
-    handler, level = _Collect(logging.WARNING), logger.level
+    handler = _Collect(logging.WARNING)
+    saved = (logger.level, logger.disabled, list(logger.filters), logging.root.manager.disable)
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING)
+    logger.disabled, logger.filters = False, []
+    logging.disable(logging.NOTSET)
     try:
         yield messages
     finally:
         logger.removeHandler(handler)
-        logger.setLevel(level)
+        logger.setLevel(saved[0])
+        logger.disabled, logger.filters = saved[1], saved[2]
+        logging.disable(saved[3])
 
 
 __all__ = ["FLAGS", "add_arguments", "apply", "given", "parse_scaling", "summary"]
