@@ -702,6 +702,12 @@ def test_resume_layout_check(tmp_path):
     with pytest.raises(ValueError, match=r"resume_from_checkpoint: .* per_device_train_batch_size 4, this run "
                                          r"takes 2: with train_sampling_strategy='group_by_length'"):
         check_layout(tmp_path, world=4, cp=2, batch=2, accumulation=2, grouped=True)
+    # auto_find_batch_size: transformers restores the batch the saving run had found (trainer_state.json's
+    # train_batch_size) after this check, so that one is compared, not the arguments' 8
+    (tmp_path / "trainer_state.json").write_text('{"train_batch_size": 4}')
+    check_layout(tmp_path, world=2, cp=2, batch=8, accumulation=2, auto_batch=True)
+    with pytest.raises(ValueError, match=r"this run takes 1 x 8 = 8"):
+        check_layout(tmp_path, world=2, cp=2, batch=8, accumulation=2)
 
 
 def test_a_save_clears_every_stale_staging_folder(tmp_path):

@@ -137,18 +137,23 @@ def save_layout(folder: str | Path, *, world: int, cp: int, batch: int, accumula
 
 
 def check_layout(folder: str | Path, *, world: int, cp: int, batch: int, accumulation: int,
-                 grouped: bool = False) -> None:
+                 grouped: bool = False, auto_batch: bool = False) -> None:
     """``ValueError`` naming ``resume_from_checkpoint`` (every rank, before any communication; a shared
     file system) when checkpoint ``folder`` was saved with another number of sequences per micro-batch
     (``dp x batch``) or another ``gradient_accumulation_steps``: the resumed run would skip another number
     of examples than were trained and take other batches per step. ``grouped``
     (``train_sampling_strategy='group_by_length'``): also another ``batch``, which orders the examples
     (transformers' LengthGroupedSampler sorts megabatches of ``batch x accumulation`` sequences). A
-    checkpoint without the layout file (the plain Trainer's) is left to transformers' own rules."""
+    checkpoint without the layout file (the plain Trainer's) is left to transformers' own rules.
+    ``auto_batch`` (``auto_find_batch_size``): the batch compared is the one transformers restores from
+    the checkpoint's trainer_state.json right after this check (what the saving run had found), if any."""
     path = Path(folder, LAYOUT)
     if not path.is_file():
         return
     saved = json.loads(path.read_text())
+    state = Path(folder, "trainer_state.json")
+    if auto_batch and state.is_file():
+        batch = json.loads(state.read_text()).get("train_batch_size") or batch
     was = saved["data_parallel_size"] * saved["per_device_train_batch_size"]
     dp = world // cp
     if was == dp * batch and saved["gradient_accumulation_steps"] == accumulation:

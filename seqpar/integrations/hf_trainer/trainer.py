@@ -264,7 +264,7 @@ class ContextParallelTrainer(Trainer):
         number of sequences per micro-batch (:func:`.checkpoints.check_layout`; with ``ignore_data_skip`` the
         data starts again from the beginning, and any batch size may follow)."""
         if not self.args.ignore_data_skip:
-            check_layout(resume_from_checkpoint, **self._layout(),
+            check_layout(resume_from_checkpoint, **self._layout(), auto_batch=self.args.auto_find_batch_size,
                          grouped=self.args.train_sampling_strategy == "group_by_length")
         if not self.fsdp_options:
             check_unsharded(resume_from_checkpoint)
