@@ -34,11 +34,9 @@ if not HAS_CUDA and not ta.INTERPRET:
     pytest.skip("no CUDA and the kernels were imported without TRITON_INTERPRET=1", allow_module_level=True)
 interpreter = pytest.mark.skipif(HAS_CUDA, reason="the interpreter's cases (on a GPU: the gpu case below)")
 
-# Error allowed relative to the largest reference value. The interpreter computes in float32 with
-# float32 inputs: observed <= 2e-6; 2e-5 leaves room for summation order. On a GPU, bf16 inputs:
-# outputs rounded to bf16 and P, dS rounded to it before the tensor-core dots, ~8 ulp (2^-7 at 1.0)
-# as in tests/test_triton_attention.py. A wrong mask or a skipped tile is off by O(1).
-RTOL = {torch.float32: 2e-5, torch.bfloat16: 8 * 2**-7}
+# The float64 reference, the visibility rule and the tolerances per dtype (fp32: 2e-5 relative;
+# bf16: 8 ulp) of the kernels' own tests: a wrong mask or a skipped tile is off by O(1).
+from test_triton_attention import _close, ref_attention, ref_grads, visible  # noqa: E402
 KEY = ["seq_bucket", "GROUP", "HEAD_DIM", "IS_VARLEN", "IS_CAUSAL", "HAS_WINDOW"]
 
 
@@ -65,33 +63,6 @@ def _forced(monkeypatch, kernel: str, shape: tuple[int, int]) -> None:
         _force(monkeypatch, other, shape if other == kernel else (64, 64))
 
 
-def _visible(tq, tk, mask, off, align, window):
-    i, j = torch.arange(tq)[:, None], torch.arange(tk)[None, :]
-    off = off + (tk - tq if align == "bottom_right" else 0)
-    vis = torch.ones(tq, tk, dtype=torch.bool) if mask == "none" else j <= i + off
-    return vis & (j >= i + off - window) if window is not None else vis
-
-
-def _reference(q, k, v, vis, dout):
-    """float64 out and dq, dk, dv (GQA expanded here only); rows that see nothing give 0."""
-    leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    g = q.shape[2] // k.shape[2]
-    kd, vd = (x.repeat_interleave(g, 2) for x in leaves[1:])
-    s = torch.einsum("bqhd,bkhd->bhqk", leaves[0], kd) * q.shape[-1] ** -0.5
-    alive = vis.any(-1)
-    p = torch.softmax(s.masked_fill(~vis, float("-inf")).masked_fill(~alive[:, None], 0.0), -1)
-    out = torch.einsum("bhqk,bkhd->bqhd", p * alive[:, None], vd)
-    return (out.detach(), *torch.autograd.grad(out, leaves, dout.double()))
-
-
-def _close(name, got, ref):
-    if ref.numel() == 0:
-        return
-    err = (got.double() - ref).abs().max().item()
-    bound = RTOL[got.dtype] * max(ref.abs().max().item(), 1.0)
-    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
-
-
 # (Tq, Tk, mask, causal_offset, align, window_left): every case crosses tiles of 128 keys and of
 # 16-128 queries, with diagonals that cut tiles off their corners.
 CASES = {
@@ -113,9 +84,10 @@ def _run_dense(case: str, dtype=torch.float32, device="cpu"):
     geo = dict(mask=mask, causal_offset=off, align=align, window_left=window)
     out, lse = ta.triton_attention_forward(q, k, v, **geo)
     grads = ta.triton_attention_backward(dout, q, k, v, out, lse, **geo)
-    refs = _reference(*(x.cpu() for x in (q, k, v)), _visible(tq, tk, mask, off, align, window), dout.cpu())
+    vis = visible(tq, tk, mask, off, align, window)
+    refs = (ref_attention(q, k, v, vis)[0], *ref_grads(q, k, v, vis, dout))
     for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), refs):
-        _close(name, got.cpu(), ref)
+        _close(name, got, ref, dtype)
 
 
 @pytest.mark.slow
@@ -157,12 +129,10 @@ def test_hopper_dkdv_shapes_on_packed_documents(monkeypatch, shape):
     dq, dk, dv = ta.triton_attention_backward(dout, q, k, v, out, lse, **geo)
     q0 = k0 = 0
     for lq, lk in zip(lens_q, lens_k):
-        vis = _visible(lq, lk, "causal", 0, "bottom_right", None)
-        refs = _reference(q[None, q0:q0 + lq], k[None, k0:k0 + lk], v[None, k0:k0 + lk], vis,
-                          dout[None, q0:q0 + lq])
-        for name, got, ref in zip(("dq", "dk", "dv"), (dq[q0:q0 + lq], dk[k0:k0 + lk], dv[k0:k0 + lk]),
-                                  refs[1:]):
-            _close(f"{name} of document {lq}x{lk}", got[None], ref)
+        vis = visible(lq, lk, "causal", 0, "bottom_right")
+        refs = ref_grads(q[None, q0:q0 + lq], k[None, k0:k0 + lk], v[None, k0:k0 + lk], vis, dout[None, q0:q0 + lq])
+        for name, got, ref in zip(("dq", "dk", "dv"), (dq[q0:q0 + lq], dk[k0:k0 + lk], dv[k0:k0 + lk]), refs):
+            _close(f"{name} of document {lq}x{lk}", got[None], ref, torch.float32)
         q0, k0 = q0 + lq, k0 + lk
 @interpreter
 def test_tuned_configs_name_what_ran(monkeypatch):
