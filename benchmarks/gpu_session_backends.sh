@@ -4,9 +4,10 @@
 #
 #   OUT=DIR bash benchmarks/gpu_session_backends.sh        # DIR defaults to /tmp/seqpar_gpu_backends
 #
-# 1. the GPU tests of the backends against float64 (cudnn, flash4, torch_cuda's direct flash calls
+# 1. the GPU tests of the backends against float64 (cudnn, torch_cuda's direct flash calls
 #    and packed calls, the dispatch order, a backward with a gradient on the lse, the Triton dk/dv
-#    kernel's Hopper-only configurations forced one by one), pytest -m gpu;
+#    kernel's Hopper-only configurations forced one by one), pytest -m gpu; 1b. FlashAttention-4's,
+#    bf16, when the run carried .f4 (benchmarks/gpu_carry_flash4.sh packs it: the machine has no PyPI);
 # 2. `seqpar bench --emulate 8` at 64K tokens (zigzag_ring, ring, striped_ring; Llama-3-8B heads,
 #    bf16, causal) with the committed dispatch table: "before";
 # 3. benchmarks/gpu_backends.py: every backend forced on every block the ring, zigzag, striped and
@@ -33,6 +34,16 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$LOG"; }
 budget() { local left=$(( SESSION_S - ($(date +%s) - start) - $2 )); (( left > $1 )) && left=$1; (( left < 10 )) && left=10; echo $left; }
 run() { stamp "\$ $*"; "$@"; }
 
+# FlashAttention-4 when benchmarks/gpu_carry_flash4.sh packed it and the run carried .f4 (no PyPI there)
+F4=.f4/flash4_site.tar.xz
+if [ -s "$F4" ]; then
+    F4_SITE=/tmp/seqpar_flash4_site
+    rm -rf "$F4_SITE" && mkdir -p "$F4_SITE" &&
+        python -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='tar')" "$F4" "$F4_SITE" &&
+        export PYTHONPATH=$PYTHONPATH:$F4_SITE:$F4_SITE/nvidia_cutlass_dsl/dsl_packages  # the CuTe DSL's .pth
+    stamp "unpacked $F4 into $F4_SITE: rc=$?"
+fi
+
 {
     echo "command: OUT=$OUT SESSION_S=$SESSION_S bash benchmarks/gpu_session_backends.sh"
     echo "date: $(date -u)"
@@ -43,19 +54,31 @@ import importlib.metadata as md, platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "cudnn", torch.backends.cudnn.version())
 print("gpu", *((torch.cuda.get_device_name(), torch.cuda.get_device_capability()) if torch.cuda.is_available() else ["none"]))
-for dist in ("triton", "flash-attn", "flash-attn-4", "nvidia-cutlass-dsl"):
+for dist in ("triton", "flash-attn", "flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13"):
     try:
         print(dist, md.version(dist))
     except md.PackageNotFoundError:
         print(dist, "not installed")
+try:
+    from seqpar.kernels.flash4 import _load
+    print("flash4 backend:", _load()[1] or "importable")
+except Exception as exc:
+    print("flash4 backend:", type(exc).__name__, exc)
 EOF
 } 2>&1 | tee -a "$LOG"
 
-stamp "1. GPU tests of the backends"
-run timeout "$(budget 170 360)" python -m pytest -q -rs -m gpu -p no:cacheprovider \
+stamp "1. GPU tests of the backends"  # timeout's SIGINT stops pytest with its summary of what ran
+run timeout -s INT -k 15 "$(budget 170 360)" python -m pytest -q -rs -m gpu -p no:cacheprovider \
     tests/test_kernels.py tests/test_varlen_kernels.py tests/test_kernels_lse_grad.py tests/test_triton_block_shapes.py \
-    -k "fused_backends or torch_cuda or dispatch_per_pass or test_cuda or gpu_hopper" > "$OUT/gpu_tests.log" 2>&1
+    -k "(fused_backends or torch_cuda or dispatch_per_pass or test_cuda or gpu_hopper) and not flash4" \
+    > "$OUT/gpu_tests.log" 2>&1
 stamp "   rc=$? $(tail -1 "$OUT/gpu_tests.log")"
+if [ -n "${F4_SITE:-}" ]; then  # FlashAttention-4 compiles each configuration on its first call: bf16 only
+    stamp "1b. FlashAttention-4's GPU tests (bf16; step 3 checks it on every block)"
+    run timeout -s INT -k 15 "$(budget 60 330)" python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_kernels.py \
+        -k "fused_backends and flash4 and bf16 and (q17k17 or q9k23) and not mqa8x1" >> "$OUT/gpu_tests.log" 2>&1
+    stamp "   rc=$? $(tail -1 "$OUT/gpu_tests.log")"
+fi
 
 EMULATE=(--emulate 8 --methods zigzag_ring,ring,striped_ring --seq-lens 65536 --heads 32 --kv-heads 8
          --head-dim 128 --dtype bfloat16 --causal yes --repeats 3 --warmup 1 --no-progress)
