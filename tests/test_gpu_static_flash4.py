@@ -10,8 +10,11 @@ without network, skipped.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import itertools
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import tomllib
@@ -141,10 +144,30 @@ def test_refuses_other_versions_and_gpus(source):
         q = cuda_tensor(1, 32, 4, 64, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="sm_90 and sm_100/110 only"):
             block_forward(q, q, q, scale=0.1, backend="flash4")
-    with fake_cuda((9, 0)):  # not installed
+    with fake_cuda((9, 0)), _not_installed():
         q = cuda_tensor(1, 32, 4, 64, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match=r"pip install 'seqpar\[flash4\]'"):
             block_forward(q, q, q, scale=0.1, backend="flash4")
+
+
+@contextlib.contextmanager
+def _not_installed():
+    """``flash-attn-4`` absent, also where the extra is installed."""
+    from seqpar.kernels.flash4 import installed_version
+
+    real = importlib.metadata.version
+
+    def version_of(name):
+        if name == DISTRIBUTION:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    installed_version.cache_clear()
+    try:
+        with mock.patch("importlib.metadata.version", version_of):
+            yield
+    finally:
+        installed_version.cache_clear()
 
 
 def test_stand_in_rejects_what_the_real_interface_rejects(source):

@@ -1,0 +1,274 @@
+"""FlashAttention-4's kernels compiled for Hopper (sm_90a) without a GPU, from the calls seqpar's
+``flash4`` backend makes.
+
+The pinned ``flash-attn-4``'s real ``_flash_attn_fwd`` / ``_flash_attn_bwd`` run on fake CUDA
+tensors of a simulated sm_90 GPU (:mod:`.fake_cuda`), called by seqpar through dispatch
+(``block_forward`` / ``block_backward`` / ``varlen_*`` with ``backend="flash4"``). Two seams are
+replaced, nothing between them: ``to_cute_tensor`` returns the CuTe DSL's fake tensors (dtype, rank,
+dynamic shapes and strides, 16-byte alignment: what FlashAttention-4's own tensor-free compilation
+of its backward builds), and a compiled kernel's launch does nothing. The interface's asserts, its
+tile, pipeline and GQA-packing choices and the CuTe DSL's compilation through NVVM and ptxas to an
+sm_90a cubin are the real code. Each cubin's registers, stack and local memory (spills) come from
+``cuobjdump -res-usage`` (the one bundled with Triton), its tensor-core instructions from its PTX
+(:func:`gpu_static.aot.mma_kind`).
+
+Runs in its own process (the CuTe DSL reads its target from ``CUTE_DSL_ARCH`` once, at import)::
+
+    cd tests && python -m gpu_static.flash4_aot [--full] [--results ../benchmarks/results/gpu_static]
+
+needs ``pip install 'seqpar[flash4]' 'nvidia-cutlass-dsl[cu13]'`` (no GPU), and writes one row per
+seqpar call: the kernels it compiled (a call whose kernels an earlier call compiled lists none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+HEADS = {"llama3_8b_32x8": (32, 8), "mha8": (8, 8), "gqa8x2": (8, 2)}
+#: the blocks the schedules issue (rows, keys, mask): a ring's diagonal and full blocks, zigzag's half
+#: blocks, striped's strictly causal diagonal, a sliding window's band, packed documents
+BLOCKS = {"diagonal": (256, 256, "causal"), "full": (256, 256, "none"), "half_tall": (256, 128, "none"),
+          "half_wide": (128, 256, "none"), "strict": (256, 256, "causal_strict"), "band": (256, 256, "band"),
+          "packed": (256, 256, "packed")}
+
+
+def cases(full: bool) -> list[dict]:
+    """The quick set: bf16, Llama-3-8B's heads, D = 128, every block kind. The full set adds fp16,
+    MHA and 8/2 GQA, D = 64, and the D = 256 forward (the Hopper backward stops at 128)."""
+    dtypes, heads, dims = ("bf16",), ("llama3_8b_32x8",), (128,)
+    if full:
+        dtypes, heads, dims = ("bf16", "fp16"), tuple(HEADS), (64, 128, 256)
+    return [dict(dtype=dt, heads=h, d=d, block=b, backward=d <= 128)
+            for dt, h, d, b in itertools.product(dtypes, heads, dims, BLOCKS)]
+
+
+def case_id(case: dict) -> str:
+    return f"{case['dtype']}-{case['heads']}-d{case['d']}-{case['block']}"
+
+
+# ----------------------------------------------------------------------------- in the worker process
+def _cuobjdump() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(path) if path.exists() else None
+
+
+def resources(folder: Path) -> dict:
+    """Registers, stack and local bytes of the cubin in ``folder`` and its PTX's tensor-core kind."""
+    from gpu_static.aot import mma_kind
+
+    (cubin,), (ptx,) = list(folder.glob("*.cubin")), list(folder.glob("*.ptx"))
+    row = {"mma": mma_kind(ptx.read_text())}
+    tool = _cuobjdump()
+    if tool:
+        text = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+        fields = dict(f.split(":", 1) for line in text.splitlines() if "REG:" in line for f in line.split())
+        row.update(registers=int(fields["REG"]), stack=int(fields["STACK"]), local=int(fields["LOCAL"]))
+    return row
+
+
+@contextlib.contextmanager
+def compiling(dump: Path, capability=(9, 0)):
+    """Fake CUDA on a simulated ``capability`` GPU, the real FlashAttention-4 compiling every kernel
+    it would launch (into ``dump``), launches doing nothing. Yields the list of compiled kernels."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import cute_dsl_utils, interface
+    from flash_attn.cute.cache_utils import JITCache
+    from gpu_static.fake_cuda import fake_cuda
+    from quack.compile_utils import make_fake_tensor
+
+    dtypes = {"torch.bfloat16": cutlass.BFloat16, "torch.float16": cutlass.Float16,
+              "torch.float32": cutlass.Float32, "torch.int32": cutlass.Int32}
+
+    def fake_tensor(t, assumed_align=16, leading_dim=-1, fully_dynamic=False, enable_tvm_ffi=True):
+        if t is None:
+            return None
+        dt = dtypes[str(t.dtype)]
+        lead = None if fully_dynamic else (t.ndim - 1 if leading_dim == -1 else leading_dim)
+        return make_fake_tensor(dt, tuple(cute.sym_int() for _ in t.shape),
+                                divisibility=max(assumed_align * 8 // dt.width, 1), leading_dim=lead)
+
+    compiled, real_compile = [], cute.compile
+
+    def compile_and_keep(fn, *args, options: str = "", **kwargs):
+        folder = dump / f"{len(compiled):04d}"
+        folder.mkdir(parents=True)
+        start = time.perf_counter()
+        real_compile(fn, *args, options=f"{options} --keep-cubin --keep-ptx --dump-dir={folder}", **kwargs)
+        compiled.append({"kernel": type(fn).__name__, "compile_s": round(time.perf_counter() - start, 2),
+                         **resources(folder)})
+        return lambda *a, **k: None  # the launch: nothing runs without a GPU
+
+    caches = [f for f in vars(interface).values() if callable(f) and hasattr(f, "compile_cache")]
+    with contextlib.ExitStack() as stack:
+        for f in caches:  # in-memory caches of this run only: nothing read from or written to disk
+            stack.enter_context(mock.patch.object(f, "compile_cache", JITCache()))
+        for module in (interface, cute_dsl_utils):
+            stack.enter_context(mock.patch.object(module, "to_cute_tensor", fake_tensor))
+        stack.enter_context(mock.patch.object(cute, "compile", compile_and_keep))
+        stack.enter_context(fake_cuda(capability))
+        yield compiled
+
+
+def _drive(case: dict) -> None:
+    """seqpar's calls for one case: forward (and backward) of one block through dispatch."""
+    import torch
+    from gpu_static.fake_cuda import cuda_tensor
+
+    from seqpar.kernels import Band, block_backward, block_forward
+    from seqpar.kernels.varlen import VarlenSegments, varlen_backward, varlen_forward
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[case["dtype"]]
+    (hq, hkv), d = HEADS[case["heads"]], case["d"]
+    tq, tk, mask = BLOCKS[case["block"]]
+    q = cuda_tensor(1, tq, hq, d, dtype=dt)
+    k, v = cuda_tensor(1, tk, hkv, d, dtype=dt), cuda_tensor(1, tk, hkv, d, dtype=dt)
+    if mask == "packed":  # three causal documents and a non-causal segment
+        segs = VarlenSegments.build([(0, 100, 0, 100, "causal"), (100, 60, 100, 60, "causal"),
+                                     (160, 96, 160, 96, "causal"), (160, 96, 0, 100, "none")], tq=tq, tk=tk)
+        out, lse = varlen_forward(q, k, v, segs, scale=d**-0.5, backend="flash4")
+        if case["backward"]:
+            varlen_backward(out, q, k, v, out, lse, segs, scale=d**-0.5, backend="flash4")
+        return
+    mask = Band(-64, 0) if mask == "band" else mask
+    out, lse = block_forward(q, k, v, scale=d**-0.5, mask=mask, backend="flash4")
+    if case["backward"]:
+        block_backward(out.float(), q, k, v, out.float(), lse, scale=d**-0.5, mask=mask, backend="flash4")
+
+
+def worker(case_list: list[dict], dump: Path) -> list[dict]:
+    rows = []
+    with compiling(dump) as compiled:
+        for case in case_list:
+            before, start = len(compiled), time.perf_counter()
+            try:
+                _drive(case)
+                error = None
+            except Exception as exc:  # a row says what failed; the others still run
+                error = f"{type(exc).__name__}: {str(exc).strip()[:400]}"
+            rows.append({"case": case_id(case), **case, "seconds": round(time.perf_counter() - start, 2),
+                         "kernels": compiled[before:], "error": error})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- the caller's side
+def unavailable() -> str | None:
+    """Why this machine cannot run the compilation (the pinned package missing), or None."""
+    import importlib.metadata
+
+    from seqpar.kernels.flash4 import DISTRIBUTION, VERSION
+
+    try:
+        importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return f"{DISTRIBUTION} is not installed (pip install 'seqpar[flash4]' 'nvidia-cutlass-dsl[cu13]')"
+    code = ("import importlib.metadata as m, flash_attn.cute.interface, quack.compile_utils; "
+            "print(m.version('flash-attn-4'))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if res.returncode:
+        return f"flash-attn-4 not importable here: {res.stderr.strip().splitlines()[-1:]}"
+    if res.stdout.strip() != VERSION:
+        return f"flash-attn-4 {res.stdout.strip()} installed, seqpar pins {VERSION}"
+    return None
+
+
+def run(full: bool, timeout: float = 3600) -> list[dict]:
+    """One worker process over the cases (cubins and PTX in a temporary folder); its rows."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="seqpar_flash4_aot_") as dump:
+        return _run(full, Path(dump), timeout)
+
+
+def _run(full: bool, dump: Path, timeout: float) -> list[dict]:
+    tests = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_ARCH="sm_90a",
+               PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-W", "ignore", "-m", "gpu_static.flash4_aot", "--worker", "--dump", str(dump)]
+    cmd += ["--full"] if full else []
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tests)
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    if res.returncode or len(rows) != len(cases(full)):
+        raise RuntimeError(f"worker exited {res.returncode} after {len(rows)} rows: {res.stderr[-3000:]}")
+    return rows
+
+
+def report(rows: list[dict], full: bool, seconds: float) -> str:
+    """The results page: one line per seqpar call, one per kernel it compiled."""
+    import platform
+
+    import cutlass
+    import torch
+
+    kernels = [k for r in rows for k in r["kernels"]]
+    lines = [f"# FlashAttention-4 (flash-attn-4 {rows and _version()}) compiled for sm_90a, no GPU",
+             "",
+             f"`cd tests && python -m gpu_static.flash4_aot{' --full' if full else ''} --results DIR` "
+             f"(`tests/gpu_static/flash4_aot.py`: what is real and what is replaced). Python {platform.python_version()}, "
+             f"torch {torch.__version__}, CuTe DSL {cutlass.__version__}; {seconds:.0f} s on this machine.",
+             "",
+             f"{len(rows)} seqpar calls (forward, and backward for D <= 128, of one block through dispatch "
+             f"with `backend=\"flash4\"`), {sum(bool(r['error']) for r in rows)} failed; {len(kernels)} kernels "
+             f"compiled, {sum(k['mma'] == 'wgmma' for k in kernels)} on wgmma, "
+             f"{sum(k.get('local', 0) > 0 or k.get('stack', 0) > 0 for k in kernels)} with stack or local "
+             "memory (spills). A call whose kernels an earlier call compiled (the same compile key) lists none.",
+             "",
+             "| call | s | kernel | compile s | registers | stack | local | mma |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['case']} | {r['seconds']} "
+        if r["error"]:
+            lines.append(f"{head}| FAILED: {r['error'][:200]} | | | | | |")
+        for i, k in enumerate(r["kernels"]):
+            lines.append(f"{head if i == 0 else '| | '}| {k['kernel']} | {k['compile_s']} | {k.get('registers', '')} "
+                         f"| {k.get('stack', '')} | {k.get('local', '')} | {k['mma']} |")
+        if not r["kernels"] and not r["error"]:
+            lines.append(f"{head}| (compiled by an earlier call) | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("flash-attn-4")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--full", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dump", type=Path, help=argparse.SUPPRESS)  # the worker's folder
+    parser.add_argument("--results", type=Path, help="write flash4_aot.{md,json} here "
+                        "(benchmarks/results/gpu_static)")
+    args = parser.parse_args()
+    if args.worker:
+        worker(cases(args.full), args.dump)
+        return
+    why = unavailable()
+    if why:
+        sys.exit(why)
+    start = time.perf_counter()
+    rows = run(args.full)
+    if args.results:
+        (args.results / "flash4_aot.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (args.results / "flash4_aot.md").write_text(report(rows, args.full, time.perf_counter() - start))
+    print(f"{len(rows)} calls, {sum(len(r['kernels']) for r in rows)} kernels compiled, "
+          f"{sum(bool(r['error']) for r in rows)} failed")
+
+
+if __name__ == "__main__":
+    main()
