@@ -135,6 +135,62 @@ def test_head_dim_refusals(source, cap, d, backward, why):
                 block_forward(q, q, q, scale=0.1, backend="flash4")
 
 
+@pytest.mark.parametrize("tq, tk, mask", [(64, 64, Band(-16, 0)), (64, 32, "causal"), (32, 64, Band(-8, 40))],
+                         ids=["window", "causal_non_square", "band"])
+def test_blackwell_d256_backward_refuses_local_blocks(source, tq, tk, mask):
+    """FlashAttention-4's Blackwell backward at D = 256 asserts no local mode (found by compiling
+    seqpar's calls for sm_100a, benchmarks/results/gpu_static/flash4_aot_sm100.md): a window band or a
+    non-square causal block is refused for the backward and served for the forward; a square causal
+    block and D = 128 are served both ways."""
+    with flash4_on_fake_gpu(source, VERSION, (10, 0)) as kernels:
+        q = cuda_tensor(1, tq, 4, 256, dtype=torch.bfloat16)
+        k = cuda_tensor(1, tk, 4, 256, dtype=torch.bfloat16)
+        out, lse = block_forward(q, k, k, scale=0.1, mask=mask, backend="flash4")
+        with pytest.raises(ValueError, match="runs no local window"):
+            block_backward(out, q, k, k, out, lse, scale=0.1, mask=mask, backend="flash4")
+        block_backward(out[:, :tk], q[:, :tk], k, k, out[:, :tk], lse[..., :tk], scale=0.1, mask="causal",
+                       backend="flash4")  # square: FlashAttention-4's causal mode
+        q, k = cuda_tensor(1, tq, 4, 128, dtype=torch.bfloat16), cuda_tensor(1, tk, 4, 128, dtype=torch.bfloat16)
+        out, lse = block_forward(q, k, k, scale=0.1, mask=mask, backend="flash4")  # D = 128: its local mode
+        block_backward(out, q, k, k, out, lse, scale=0.1, mask=mask, backend="flash4")
+    assert [c[0] for c in kernels.calls] == ["fwd", "bwd", "fwd", "bwd"], kernels.calls
+
+
+def test_blackwell_d256_packed_window_backward_runs_per_segment(source):
+    """Packed documents with a window at D = 256 on Blackwell: the forward is one varlen call, the
+    backward's varlen kernel is refused (local mode), so a forced flash4 backward names the reason."""
+    segs = VarlenSegments.build([(0, 40, 0, 40, Band(-8, 0)), (40, 24, 40, 24, Band(-8, 0))], tq=64, tk=64)
+    with flash4_on_fake_gpu(source, VERSION, (10, 0)) as kernels:
+        q = cuda_tensor(1, 64, 4, 256, dtype=torch.bfloat16)
+        out, lse = varlen_forward(q, q, q, segs, scale=0.1, backend="flash4")
+        with pytest.raises(ValueError, match="runs no local window"):
+            varlen_backward(out, q, q, q, out, lse, segs, scale=0.1, backend="flash4")
+    assert [(c[0], c[-1]) for c in kernels.calls] == [("fwd", True)], kernels.calls
+
+
+def test_failures_that_demote():
+    """What an automatic choice demotes (the next backend runs, one warning): the CuTe DSL's compile
+    errors and FlashAttention-4's own asserts (unimplemented configurations); not an assert of any
+    other code, nor a plain error."""
+    from seqpar.kernels.flash4 import Flash4Backend
+
+    def raised(code: str, filename: str) -> BaseException:
+        try:
+            exec(compile(code, filename, "exec"), {})  # noqa: S102 - a frame in that file
+        except BaseException as exc:  # noqa: BLE001
+            return exc
+        raise AssertionError("did not raise")
+
+    dsl_error = type("DSLRuntimeError", (RuntimeError,), {"__module__": "cutlass.base_dsl.common"})
+    backend = Flash4Backend()
+    assert backend.launch_failure(dsl_error("ICE\nmore")) == "DSLRuntimeError: ICE"
+    inside = raised("assert False, 'hd256 does not support local attention'",
+                    str(Path("site-packages", "flash_attn", "cute", "interface.py")))
+    assert backend.launch_failure(inside) == "AssertionError in FlashAttention-4: hd256 does not support local attention"
+    assert backend.launch_failure(raised("assert False, 'x'", str(Path("seqpar", "kernels", "flash4.py")))) is None
+    assert backend.launch_failure(raised("raise TypeError('x')", str(Path("flash_attn", "cute", "a.py")))) is None
+
+
 def test_refuses_other_versions_and_gpus(source):
     with flash4_on_fake_gpu(source, VERSION, installed="4.0.0b35"):
         q = cuda_tensor(1, 32, 4, 64, dtype=torch.bfloat16)

@@ -12,7 +12,9 @@ Layout ``[B, T, H, D]`` (packed: ``[R, H, D]`` with ``cu_seqlens_q/k``); lse fp3
 (``[Hq, R]`` packed). GQA native (dK, dV with Hkv heads). GPUs: sm_90 (Hopper) and sm_100 / sm_110
 (Blackwell); its sm_80 / sm_120 paths are left out (no sm_80 backward, sm_120 runs the sm_80 MMA).
 Head dims (``_validate_head_dims``): sm_90 any multiple of 8 in 8..256, Blackwell 8..128 or 256;
-the Hopper backward is only tested upstream for D <= 128, so a larger D is refused for the backward.
+the Hopper backward is only tested upstream for D <= 128, so a larger D is refused for the backward;
+the Blackwell backward at D = 256 runs no local mode, so its window and non-square causal blocks
+go to the next backend (found by compiling every call for sm_100a: ``tests/gpu_static/flash4_aot.py``).
 
 Masks are aligned bottom-right (``mask.py``: offset ``seqlen_k - seqlen_q``) with unclamped
 ``window_size_left/right`` (``None``: unbounded), so every reduced block is one call: a band by its
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 
 import torch
 
@@ -64,6 +67,14 @@ def _load():
     return interface, None
 
 
+def _raised_in_flash4(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc``'s traceback is in the ``flash_attn.cute`` package."""
+    tb, where = exc.__traceback__, ""
+    while tb is not None:
+        where, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return os.path.join("flash_attn", "cute", "") in where
+
+
 def head_dim_refusal(d: int, capability: tuple[int, int], for_backward: bool) -> str | None:
     """Why FlashAttention-4 does not run head dim ``d`` on ``capability``, or ``None``."""
     if d % 8 or not 8 <= d <= 256:
@@ -72,6 +83,16 @@ def head_dim_refusal(d: int, capability: tuple[int, int], for_backward: bool) ->
         return f"head dim {d} on sm_{capability[0]}{capability[1]}: FlashAttention-4 runs 8..128 or 256 there"
     if for_backward and capability[0] == 9 and d > 128:
         return f"head dim {d}: FlashAttention-4's Hopper backward is tested for D <= 128 only"
+    return None
+
+
+def local_refusal(d: int, capability: tuple[int, int], for_backward: bool, local: bool) -> str | None:
+    """Why FlashAttention-4 cannot run a block in its local mode (a window band, or top-left causal on
+    a non-square block, both one call with a right bound): its Blackwell backward at D = 256 is a
+    dedicated kernel that asserts no local attention (``sm100_hd256_2cta_fmha_backward.py``)."""
+    if local and for_backward and capability[0] >= 10 and d == 256:
+        return ("head dim 256 on Blackwell: FlashAttention-4's backward there runs no local window "
+                "(window bands, non-square causal blocks)")
     return None
 
 
@@ -115,12 +136,23 @@ class Flash4Backend(Backend):
         return None
 
     def extra_refusal(self, q, k, v, plan, for_backward: bool) -> str | None:
-        return head_dim_refusal(q.shape[-1], torch.cuda.get_device_capability(q.device), for_backward)
+        cap, d = torch.cuda.get_device_capability(q.device), q.shape[-1]
+        local = plan.window is not None or (plan.causal and not plan.empty and not plan.square)
+        return head_dim_refusal(d, cap, for_backward) or local_refusal(d, cap, for_backward, local)
+
+    def varlen_refusal(self, q, calls, for_backward: bool) -> str | None:
+        local = any(not c.causal and any(w >= 0 for w in c.window) for c in calls)
+        return local_refusal(q.shape[-1], torch.cuda.get_device_capability(q.device), for_backward, local)
 
     def launch_failure(self, exc: BaseException) -> str | None:
-        """Also the CuTe DSL's compile errors (exceptions of the ``cutlass`` package)."""
+        """Also the CuTe DSL's compile errors (exceptions of the ``cutlass`` package) and an
+        ``AssertionError`` raised inside ``flash_attn.cute``: how FlashAttention-4 says a
+        configuration is not implemented (an automatic choice then demotes to the next backend)."""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         if any(c.__module__.startswith("cutlass") for c in type(exc).__mro__):
-            return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+            return f"{type(exc).__name__}: {first}"[:300]
+        if isinstance(exc, AssertionError) and _raised_in_flash4(exc):
+            return f"AssertionError in FlashAttention-4: {first}"[:300]
         return launch_failure(exc)
 
     def forward(self, q, k, v, *, scale: float, causal: bool, window: Band | None = None):
