@@ -224,9 +224,12 @@ _SPILLS = re.compile(r"(\d+) bytes spill stores")
 def mma_kind(ptx: str) -> str:
     """The tensor-core instructions of a kernel's PTX: ``wgmma`` (Hopper's warpgroup MMA, sm_90's
     fast path), ``mma`` (``mma.sync``, Ampere's instruction: on sm_90 it leaves much of the tensor
-    cores' rate unused), ``none`` (no tensor cores: fp32 IEEE dots, or no dot at all)."""
+    cores' rate unused), ``tcgen05`` (Blackwell's tensor-memory MMA, sm_100's fast path), ``none``
+    (no tensor cores: fp32 IEEE dots, or no dot at all)."""
     if "wgmma.mma_async" in ptx:
         return "wgmma"
+    if "tcgen05.mma" in ptx:
+        return "tcgen05"
     return "mma" if "mma.sync" in ptx else "none"
 
 

@@ -1,20 +1,21 @@
-"""FlashAttention-4's kernels compiled for Hopper (sm_90a) without a GPU, from the calls seqpar's
-``flash4`` backend makes.
+"""FlashAttention-4's kernels compiled for Hopper (sm_90a) and Blackwell (sm_100a) without a GPU,
+from the calls seqpar's ``flash4`` backend makes.
 
 The pinned ``flash-attn-4``'s real ``_flash_attn_fwd`` / ``_flash_attn_bwd`` run on fake CUDA
-tensors of a simulated sm_90 GPU (:mod:`.fake_cuda`), called by seqpar through dispatch
-(``block_forward`` / ``block_backward`` / ``varlen_*`` with ``backend="flash4"``). Two seams are
+tensors of a simulated sm_90 / sm_100 GPU (:mod:`.fake_cuda`), called by seqpar through dispatch
+(``block_forward`` / ``block_backward`` / ``varlen_*`` with ``backend="flash4"``). Three seams are
 replaced, nothing between them: ``to_cute_tensor`` returns the CuTe DSL's fake tensors (dtype, rank,
 dynamic shapes and strides, 16-byte alignment: what FlashAttention-4's own tensor-free compilation
-of its backward builds), and a compiled kernel's launch does nothing. The interface's asserts, its
-tile, pipeline and GQA-packing choices and the CuTe DSL's compilation through NVVM and ptxas to an
-sm_90a cubin are the real code. Each cubin's registers, stack and local memory (spills) come from
-``cuobjdump -res-usage`` (the one bundled with Triton), its tensor-core instructions from its PTX
-(:func:`gpu_static.aot.mma_kind`).
+of its backward builds); ``cutlass.utils.HardwareInfo``, which persistent schedulers ask for the SM
+count while tracing, answers as the simulated GPU; and a compiled kernel's launch does nothing.
+The interface's asserts, its tile, pipeline and GQA-packing choices and the CuTe DSL's compilation
+through NVVM and ptxas to a cubin are the real code. Each cubin's registers, stack frame and local
+memory come from ``cuobjdump -res-usage`` (the one bundled with Triton), its tensor-core
+instructions from its PTX (:func:`gpu_static.aot.mma_kind`).
 
 Runs in its own process (the CuTe DSL reads its target from ``CUTE_DSL_ARCH`` once, at import)::
 
-    cd tests && python -m gpu_static.flash4_aot [--full] [--results ../benchmarks/results/gpu_static]
+    cd tests && python -m gpu_static.flash4_aot [--arch 90|100] [--full] [--results ../benchmarks/results/gpu_static]
 
 needs ``pip install 'seqpar[flash4]' 'nvidia-cutlass-dsl[cu13]'`` (no GPU), and writes one row per
 seqpar call: the kernels it compiled (a call whose kernels an earlier call compiled lists none).
@@ -35,19 +36,21 @@ from unittest import mock
 
 HEADS = {"llama3_8b_32x8": (32, 8), "mha8": (8, 8), "gqa8x2": (8, 2)}
 #: the blocks the schedules issue (rows, keys, mask): a ring's diagonal and full blocks, zigzag's half
-#: blocks, striped's strictly causal diagonal, a sliding window's band, packed documents
+#: blocks, striped's strictly causal diagonal, a causal block with more rows than keys (a tall
+#: piece: FlashAttention-4's local mode), a sliding window's band, packed documents
 BLOCKS = {"diagonal": (256, 256, "causal"), "full": (256, 256, "none"), "half_tall": (256, 128, "none"),
-          "half_wide": (128, 256, "none"), "strict": (256, 256, "causal_strict"), "band": (256, 256, "band"),
-          "packed": (256, 256, "packed")}
+          "half_wide": (128, 256, "none"), "strict": (256, 256, "causal_strict"),
+          "causal_tall": (256, 128, "causal"), "band": (256, 256, "band"), "packed": (256, 256, "packed")}
 
 
-def cases(full: bool) -> list[dict]:
+def cases(full: bool, arch: int = 90) -> list[dict]:
     """The quick set: bf16, Llama-3-8B's heads, D = 128, every block kind. The full set adds fp16,
-    MHA and 8/2 GQA, D = 64, and the D = 256 forward (the Hopper backward stops at 128)."""
+    MHA and 8/2 GQA, D = 64 and 256 (on Hopper the forward only: seqpar refuses FlashAttention-4's
+    Hopper backward above 128, which upstream tests to 128)."""
     dtypes, heads, dims = ("bf16",), ("llama3_8b_32x8",), (128,)
     if full:
         dtypes, heads, dims = ("bf16", "fp16"), tuple(HEADS), (64, 128, 256)
-    return [dict(dtype=dt, heads=h, d=d, block=b, backward=d <= 128)
+    return [dict(dtype=dt, heads=h, d=d, block=b, backward=d <= 128 or arch >= 100)
             for dt, h, d, b in itertools.product(dtypes, heads, dims, BLOCKS)]
 
 
@@ -85,7 +88,7 @@ def compiling(dump: Path, capability=(9, 0)):
     it would launch (into ``dump``), launches doing nothing. Yields the list of compiled kernels."""
     import cutlass
     import cutlass.cute as cute
-    from flash_attn.cute import cute_dsl_utils, interface
+    from flash_attn.cute import cute_dsl_utils, interface, tile_scheduler
     from flash_attn.cute.cache_utils import JITCache
     from gpu_static.fake_cuda import fake_cuda
     from quack.compile_utils import make_fake_tensor
@@ -101,10 +104,10 @@ def compiling(dump: Path, capability=(9, 0)):
         return make_fake_tensor(dt, tuple(cute.sym_int() for _ in t.shape),
                                 divisibility=max(assumed_align * 8 // dt.width, 1), leading_dim=lead)
 
-    compiled, real_compile = [], cute.compile
+    compiled, real_compile, folders = [], cute.compile, itertools.count()
 
     def compile_and_keep(fn, *args, options: str = "", **kwargs):
-        folder = dump / f"{len(compiled):04d}"
+        folder = dump / f"{next(folders):04d}"
         folder.mkdir(parents=True)
         start = time.perf_counter()
         real_compile(fn, *args, options=f"{options} --keep-cubin --keep-ptx --dump-dir={folder}", **kwargs)
@@ -119,8 +122,31 @@ def compiling(dump: Path, capability=(9, 0)):
         for module in (interface, cute_dsl_utils):
             stack.enter_context(mock.patch.object(module, "to_cute_tensor", fake_tensor))
         stack.enter_context(mock.patch.object(cute, "compile", compile_and_keep))
+        # persistent schedulers size their grid from the SM count, asked of the driver while tracing
+        hardware = _simulated_hardware(capability)
+        for module in (cutlass.utils, cutlass.utils.hardware_info, tile_scheduler):
+            stack.enter_context(mock.patch.object(module, "HardwareInfo", hardware))
         stack.enter_context(fake_cuda(capability))
         yield compiled
+
+
+def _simulated_hardware(capability):
+    """``cutlass.utils.HardwareInfo`` answering as the simulated GPU (H100 SXM: 132 SMs; B200: 148;
+    one cluster per ``cluster_size`` SMs: the driver's occupancy answer for one CTA per SM). Only
+    grid sizes of persistent schedulers follow from it, not the kernels' code."""
+    sms = {9: 132, 10: 148}[capability[0]]
+
+    class SimulatedHardware:
+        def __init__(self, device_id: int = 0):
+            self.device_id = device_id
+
+        def get_device_multiprocessor_count(self) -> int:
+            return sms
+
+        def get_max_active_clusters(self, cluster_size: int, stream=None) -> int:
+            return sms // cluster_size
+
+    return SimulatedHardware
 
 
 def _drive(case: dict) -> None:
@@ -149,18 +175,22 @@ def _drive(case: dict) -> None:
         block_backward(out.float(), q, k, v, out.float(), lse, scale=d**-0.5, mask=mask, backend="flash4")
 
 
-def worker(case_list: list[dict], dump: Path) -> list[dict]:
+def worker(case_list: list[dict], dump: Path, arch: int) -> list[dict]:
     rows = []
-    with compiling(dump) as compiled:
+    with compiling(dump, (arch // 10, arch % 10)) as compiled:
         for case in case_list:
             before, start = len(compiled), time.perf_counter()
+            error = refused = None
             try:
                 _drive(case)
-                error = None
+            except ValueError as exc:  # seqpar's own refusal, before FlashAttention-4 is called
+                if "cannot serve" not in str(exc):
+                    raise
+                refused = str(exc).strip()[:400]
             except Exception as exc:  # a row says what failed; the others still run
                 error = f"{type(exc).__name__}: {str(exc).strip()[:400]}"
             rows.append({"case": case_id(case), **case, "seconds": round(time.perf_counter() - start, 2),
-                         "kernels": compiled[before:], "error": error})
+                         "kernels": compiled[before:], "error": error, "refused": refused})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -186,28 +216,30 @@ def unavailable() -> str | None:
     return None
 
 
-def run(full: bool, timeout: float = 3600) -> list[dict]:
-    """One worker process over the cases (cubins and PTX in a temporary folder); its rows."""
+def run(full: bool, arch: int = 90, timeout: float = 3600) -> list[dict]:
+    """One worker process over the cases for ``sm_<arch>a`` (90: Hopper, 100: Blackwell; cubins and
+    PTX in a temporary folder); its rows."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="seqpar_flash4_aot_") as dump:
-        return _run(full, Path(dump), timeout)
+        return _run(full, Path(dump), arch, timeout)
 
 
-def _run(full: bool, dump: Path, timeout: float) -> list[dict]:
+def _run(full: bool, dump: Path, arch: int, timeout: float) -> list[dict]:
     tests = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_ARCH="sm_90a",
+    env = dict(os.environ, CUTE_DSL_ARCH=f"sm_{arch}a", FLASH_ATTENTION_ARCH=f"sm_{arch}a",
                PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-W", "ignore", "-m", "gpu_static.flash4_aot", "--worker", "--dump", str(dump)]
+    cmd = [sys.executable, "-W", "ignore", "-m", "gpu_static.flash4_aot", "--worker", "--dump", str(dump),
+           "--arch", str(arch)]
     cmd += ["--full"] if full else []
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tests)
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    if res.returncode or len(rows) != len(cases(full)):
+    if res.returncode or len(rows) != len(cases(full, arch)):
         raise RuntimeError(f"worker exited {res.returncode} after {len(rows)} rows: {res.stderr[-3000:]}")
     return rows
 
 
-def report(rows: list[dict], full: bool, seconds: float) -> str:
+def report(rows: list[dict], full: bool, arch: int, seconds: float) -> str:
     """The results page: one line per seqpar call, one per kernel it compiled."""
     import platform
 
@@ -215,17 +247,21 @@ def report(rows: list[dict], full: bool, seconds: float) -> str:
     import torch
 
     kernels = [k for r in rows for k in r["kernels"]]
-    lines = [f"# FlashAttention-4 (flash-attn-4 {rows and _version()}) compiled for sm_90a, no GPU",
+    mmas = sorted({k["mma"] for k in kernels} - {"none"})
+    lines = [f"# FlashAttention-4 (flash-attn-4 {rows and _version()}) compiled for sm_{arch}a, no GPU",
              "",
-             f"`cd tests && python -m gpu_static.flash4_aot{' --full' if full else ''} --results DIR` "
+             f"`cd tests && python -m gpu_static.flash4_aot --arch {arch}{' --full' if full else ''} --results DIR` "
              f"(`tests/gpu_static/flash4_aot.py`: what is real and what is replaced). Python {platform.python_version()}, "
              f"torch {torch.__version__}, CuTe DSL {cutlass.__version__}; {seconds:.0f} s on this machine.",
              "",
-             f"{len(rows)} seqpar calls (forward, and backward for D <= 128, of one block through dispatch "
-             f"with `backend=\"flash4\"`), {sum(bool(r['error']) for r in rows)} failed; {len(kernels)} kernels "
-             f"compiled, {sum(k['mma'] == 'wgmma' for k in kernels)} on wgmma, "
-             f"{sum(k.get('local', 0) > 0 or k.get('stack', 0) > 0 for k in kernels)} with stack or local "
-             "memory (spills). A call whose kernels an earlier call compiled (the same compile key) lists none.",
+             f"{len(rows)} seqpar calls (forward and backward of one block through dispatch with "
+             f"`backend=\"flash4\"`; on sm_90 the forward alone above D = 128), "
+             f"{sum(bool(r['error']) for r in rows)} failed, {sum(bool(r['refused']) for r in rows)} refused by "
+             f"seqpar before FlashAttention-4 is called (the reason in the row); {len(kernels)} kernels compiled, "
+             + ", ".join(f"{sum(k['mma'] == m for k in kernels)} on {m}" for m in mmas) + "; "
+             f"{sum(k.get('stack', 0) > 0 for k in kernels)} with a stack frame, "
+             f"{sum(k.get('local', 0) > 0 for k in kernels)} with local memory (cuobjdump's STACK and LOCAL "
+             "bytes per thread). A call whose kernels an earlier call compiled (the same compile key) lists none.",
              "",
              "| call | s | kernel | compile s | registers | stack | local | mma |",
              "|---|---|---|---|---|---|---|---|"]
@@ -233,10 +269,12 @@ def report(rows: list[dict], full: bool, seconds: float) -> str:
         head = f"| {r['case']} | {r['seconds']} "
         if r["error"]:
             lines.append(f"{head}| FAILED: {r['error'][:200]} | | | | | |")
+        if r["refused"]:
+            lines.append(f"{head}| refused: {r['refused'].split(': ', 1)[-1][:200]} | | | | | |")
         for i, k in enumerate(r["kernels"]):
             lines.append(f"{head if i == 0 else '| | '}| {k['kernel']} | {k['compile_s']} | {k.get('registers', '')} "
                          f"| {k.get('stack', '')} | {k.get('local', '')} | {k['mma']} |")
-        if not r["kernels"] and not r["error"]:
+        if not r["kernels"] and not r["error"] and not r["refused"]:
             lines.append(f"{head}| (compiled by an earlier call) | | | | | |")
     return "\n".join(lines) + "\n"
 
@@ -250,22 +288,24 @@ def _version() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true")
+    parser.add_argument("--arch", type=int, choices=(90, 100), default=90, help="sm_90a (Hopper) or sm_100a")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dump", type=Path, help=argparse.SUPPRESS)  # the worker's folder
     parser.add_argument("--results", type=Path, help="write flash4_aot.{md,json} here "
                         "(benchmarks/results/gpu_static)")
     args = parser.parse_args()
     if args.worker:
-        worker(cases(args.full), args.dump)
+        worker(cases(args.full, args.arch), args.dump, args.arch)
         return
     why = unavailable()
     if why:
         sys.exit(why)
     start = time.perf_counter()
-    rows = run(args.full)
+    rows = run(args.full, args.arch)
     if args.results:
-        (args.results / "flash4_aot.json").write_text(json.dumps(rows, indent=1) + "\n")
-        (args.results / "flash4_aot.md").write_text(report(rows, args.full, time.perf_counter() - start))
+        name = f"flash4_aot_sm{args.arch}"
+        (args.results / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (args.results / f"{name}.md").write_text(report(rows, args.full, args.arch, time.perf_counter() - start))
     print(f"{len(rows)} calls, {sum(len(r['kernels']) for r in rows)} kernels compiled, "
           f"{sum(bool(r['error']) for r in rows)} failed")
 
