@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from ...comm.collectives import peer_errors
 from ..files import replace_dir
-from . import rope_flags
 
 COMPLETE = "COMPLETE"
 META = "meta.json"
@@ -106,22 +105,29 @@ def resolve_resume(resume: str | None, save: str | None) -> Path | None:
     return found
 
 
+def config_entries(config) -> dict:
+    """A model config's architecture entries as meta.json holds them (:func:`model_fingerprint`)."""
+    entries = {k: v for k, v in sorted(config.to_dict().items()) if k not in _CONFIG_IGNORE}
+    # a non-finite config value as its JSON name ("Infinity"), so meta.json stays strict JSON
+    return json.loads(json.dumps(entries, default=str), parse_constant=str)
+
+
 def model_fingerprint(model) -> dict:
     """What must match for a checkpoint to load: the config (architecture entries) and the shapes."""
-    config = {k: v for k, v in sorted(model.config.to_dict().items()) if k not in _CONFIG_IGNORE}
     shapes = {name: list(p.shape) for name, p in model.named_parameters()}
-    # a non-finite config value as its JSON name ("Infinity"), so meta.json stays strict JSON
-    return {"config": json.loads(json.dumps(config, default=str), parse_constant=str), "shapes": shapes}
+    return {"config": config_entries(model.config), "shapes": shapes}
+
+
+def _config_diffs(old: dict, new: dict, keys=None) -> list[str]:
+    """The entries (of ``keys``, default all) where two :func:`config_entries` differ, as messages."""
+    return [f"{key}: checkpoint {old.get(key)!r}, this run {new.get(key)!r}"
+            for key in sorted(set(old) | set(new)) if (keys is None or key in keys) and old.get(key) != new.get(key)]
 
 
 def check_same_model(meta: dict, current: dict, path: Path) -> None:
     """ValueError listing the differences when the checkpoint was saved from another model."""
     saved = meta.get("model", {})
-    diffs = []
-    old_cfg, new_cfg = saved.get("config", {}), current["config"]
-    for key in sorted(set(old_cfg) | set(new_cfg)):
-        if old_cfg.get(key) != new_cfg.get(key):
-            diffs.append(f"{key}: checkpoint {old_cfg.get(key)!r}, this run {new_cfg.get(key)!r}")
+    diffs = _config_diffs(saved.get("config", {}), current["config"])
     old_shapes, new_shapes = saved.get("shapes", {}), current["shapes"]
     if not diffs and old_shapes != new_shapes:
         names = sorted(set(old_shapes) ^ set(new_shapes)) or [n for n in new_shapes if old_shapes[n] != new_shapes[n]]
@@ -137,15 +143,14 @@ def check_same_model(meta: dict, current: dict, path: Path) -> None:
 
 def check_rope(cfg, config) -> None:
     """Before any rank starts or reads the model: ValueError naming the RoPE flags when ``--resume``'s
-    checkpoint recorded another RoPE (meta.json's ``run.rope``) than ``config``'s (the run's, flags applied).
-    :func:`check_same_model` on the ranks after the build covers the rest, and checkpoints without it."""
+    checkpoint was saved from a model config whose RoPE entries differ from ``config``'s (the run's,
+    flags applied): :func:`check_same_model`'s comparison, on those entries, before the build. The
+    ranks compare the rest after it."""
     path = resolve_resume(cfg.resume, cfg.save)
     if path is None or not (path / META).is_file():
         return
-    saved = json.loads((path / META).read_text()).get("run", {}).get("rope")
-    now = json.loads(json.dumps(rope_flags.summary(config), default=str))  # as meta.json holds it
-    diffs = [f"{key}: checkpoint {saved.get(key)!r}, this run {value!r}" for key, value in now.items()
-             if saved is not None and saved.get(key) != value]
+    saved = json.loads((path / META).read_text()).get("model", {}).get("config")
+    diffs = _config_diffs(saved, config_entries(config), _ROPE_KEYS) if saved is not None else []
     if diffs:
         raise rope_mismatch(path, diffs)
 
