@@ -61,6 +61,11 @@ def _key_runs(pos: torch.Tensor, lo: int, hi: int) -> list[tuple[int, int, int]]
     return [(lo + s, e - s, int(p[s])) for s, e in zip(starts, ends)]
 
 
+def _accumulator(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(out, lse)`` for the rows of ``q``: out with V's head dim (MLA models' differs from q's)."""
+    return new_accumulator(q.shape[:-1] + v.shape[-1:], q.device, dtype=_acc(q.dtype))
+
+
 def _slots(pos: torch.Tensor, position: int) -> int:
     """Index of the first slot at ``position`` or above (positions increase along the slots)."""
     return int(torch.searchsorted(pos, torch.tensor([position], dtype=pos.dtype)))
@@ -79,7 +84,7 @@ def local_partial(q, runs, k, v, pos, *, scale: float, window: int | None, backe
     ``>= floors[b]`` (a left-padded row's first real token; its pads lie below). Rows with equal
     floors side by side are computed together; a query below its row's floor sees no slot
     (``out = 0``, ``lse = -inf``)."""
-    out, lse = acc if acc is not None else new_accumulator(q.shape, q.device, dtype=_acc(q.dtype))
+    out, lse = acc if acc is not None else _accumulator(q, v)
     if pos.numel() == 0:
         return out, lse
     if not floors or not any(floors):
@@ -124,10 +129,10 @@ def _masked_slots(q1, k, v, pos, lo: int, hi: int, floors: list[int], scale, out
     per row ``q1`` to slots ``lo:hi``, row b seeing those at positions ``>= floors[b]``: a masked
     softmax in the accumulator's dtype, GQA by grouping the query heads (K, V are not expanded), in
     chunks of slots so that a long padded range never makes a large temporary."""
-    acc, (b, _one, hq, d), hkv = out1.dtype, q1.shape, k.shape[2]
+    acc, (b, _one, hq, d), hkv, dv = out1.dtype, q1.shape, k.shape[2], v.shape[-1]
     qg = q1[:, 0].to(acc).reshape(b, hkv, hq // hkv, d)  # query head i * group + j reads kv head i
     floor = torch.tensor(floors, device=q1.device)[:, None]
-    step = max(1, _MASKED_CHUNK // (b * max(hq, hkv * d)))
+    step = max(1, _MASKED_CHUNK // (b * max(hq, hkv * max(d, dv))))
     for a in range(lo, hi, step):
         e = min(hi, a + step)
         seen = pos[a:e].to(q1.device)[None, :] >= floor  # [B, L]
@@ -136,7 +141,7 @@ def _masked_slots(q1, k, v, pos, lo: int, hi: int, floors: list[int], scale, out
         part_lse = torch.logsumexp(scores, -1)  # -inf for a row that sees none of these slots
         probs = torch.exp(scores - part_lse[..., None]).nan_to_num(0.0)
         part = torch.einsum("bhgl,blhd->bhgd", probs, v[:, a:e].to(acc))
-        merge_(out1, lse1, part.reshape(b, 1, hq, d), part_lse.reshape(b, hq, 1))
+        merge_(out1, lse1, part.reshape(b, 1, hq, dv), part_lse.reshape(b, hq, 1))
 
 
 def _rows_partial(q, runs, k, v, pos, out, lse, floor: int, scale, window, backend) -> None:
@@ -215,7 +220,7 @@ def pass_kv(info, q, runs, k, v, pos, *, scale, window, backend=None, stats=None
     travel once around the ring while each rank attends its query ``runs`` to every block in turn.
     Block sizes differ per rank: one all-gather of the sizes first. Returns fp32 (out, lse).
     ``floors``: as for :func:`local_partial`."""
-    acc = new_accumulator(q.shape, q.device, dtype=_acc(q.dtype))
+    acc = _accumulator(q, v)
     if info.single:
         return local_partial(q, runs, k, v, pos, scale=scale, window=window, backend=backend, acc=acc, floors=floors)
     size = torch.tensor([pos.numel()], dtype=torch.int64, device=k.device)
