@@ -186,7 +186,8 @@ def test_failures_that_demote():
     assert backend.launch_failure(dsl_error("ICE\nmore")) == "DSLRuntimeError: ICE"
     inside = raised("assert False, 'hd256 does not support local attention'",
                     str(Path("site-packages", "flash_attn", "cute", "interface.py")))
-    assert backend.launch_failure(inside) == "AssertionError in FlashAttention-4: hd256 does not support local attention"
+    want = "AssertionError in FlashAttention-4: hd256 does not support local attention"
+    assert backend.launch_failure(inside) == want
     assert backend.launch_failure(raised("assert False, 'x'", str(Path("seqpar", "kernels", "flash4.py")))) is None
     assert backend.launch_failure(raised("raise TypeError('x')", str(Path("flash_attn", "cute", "a.py")))) is None
 

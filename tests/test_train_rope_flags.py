@@ -165,7 +165,8 @@ def test_resume_with_other_values_is_refused(folders, runs):
     for flags in (("--rope-scaling", json.dumps(other), "--max-position-embeddings", 32), ()):
         with pytest.raises(ValueError, match=r"--resume: .* another RoPE .*rope_parameters.*--rope-scaling"):
             train(_args(tmp, "resumed", *flags, "--steps", 2, "--resume", ckpt))
-    # refused before any rank starts or reads the model (meta.json's model config, its RoPE entries), not by the ranks after the build
+    # refused before any rank starts or reads the model (meta.json's model config, its RoPE entries), not by
+    # the ranks after the build
     with pytest.raises(ValueError, match=r"--resume: .* another RoPE .*max_position_embeddings: checkpoint 64") as exc:
         train(_args(tmp, "resumed", "--steps", 2, "--resume", ckpt, "--nproc", 2, "--context-parallel", 2))
     assert "Rank 0 traceback" not in str(exc.value), str(exc.value)

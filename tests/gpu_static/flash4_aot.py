@@ -260,7 +260,8 @@ def report(rows: list[dict], full: bool, arch: int, seconds: float) -> str:
     lines = [f"# FlashAttention-4 (flash-attn-4 {rows and _version()}) compiled for sm_{arch}a, no GPU",
              "",
              f"`cd tests && python -m gpu_static.flash4_aot --arch {arch}{' --full' if full else ''} --results DIR` "
-             f"(`tests/gpu_static/flash4_aot.py`: what is real and what is replaced). Python {platform.python_version()}, "
+             "(`tests/gpu_static/flash4_aot.py`: what is real and what is replaced). "
+             f"Python {platform.python_version()}, "
              f"torch {torch.__version__}, CuTe DSL {cutlass.__version__}; {seconds:.0f} s on this machine.",
              "",
              f"{len(rows)} seqpar calls (forward and backward of one block through dispatch with "
